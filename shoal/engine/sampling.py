@@ -1,0 +1,172 @@
+"""Batched token sampling with the reference numerics (fish-speech spec §5.2-5.3).
+
+Every function takes a batch of rows, each with its own parameters, so one call serves every
+request in a decode batch. The random draw is separated from the math: callers pass the
+noise (``-log U`` for S2, ``Exp(1)`` for S1) so a request's randomness comes from its own
+generator and does not depend on its neighbours in the batch.
+
+S2 (HEAD) rule, per row:
+  1. sort logits descending; ``cum = cumsum(softmax(sorted))`` (untempered);
+  2. drop ranks with ``cum > top_p`` or ``rank >= top_k``; rank 0 is always kept;
+  3. ``softmax(logits / max(temperature, 1e-5))`` over the kept set;
+  4. token = ``argmax(probs / q)`` with ``q = -log U`` (the exponential race).
+S1 (d3df505) applies a repetition penalty before step 1, has no top_k, and draws ``q ~ Exp(1)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. ``greedy`` is a true argmax (no random draw)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.8
+    top_k: int = 30
+    greedy: bool = False
+    repetition_penalty: float = 1.0  # S1 models only; S2 uses RAS instead
+    ras_window: int = 10
+    ras_temperature: float = 1.0
+    ras_top_p: float = 0.9
+
+    def validate(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.temperature < 2.0 and not self.greedy:
+            raise ValueError(f"temperature must be in (0, 2), got {self.temperature}")
+        if self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not 0.0 < self.repetition_penalty < 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2), got {self.repetition_penalty}")
+        if self.ras_window < 0:
+            raise ValueError("ras_window must be >= 0")
+
+
+def _column(values: Tensor | float | int, rows: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    t = torch.as_tensor(values, device=device)
+    if t.dim() == 0:
+        t = t.expand(rows)
+    return t.to(dtype).reshape(rows, 1)
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float,
+                    top_k: Tensor | int) -> Tensor:
+    """S2 rule, batched: logits [B, V] -> probs [B, V] (zero outside the kept set).
+
+    ``temperature``/``top_p`` are cast to the logits dtype, as the reference holds them in the
+    model dtype (bf16: top_p 0.9 -> 0.8984375).
+    """
+    B, V = logits.shape
+    temp = _column(temperature, B, logits.dtype, logits.device)
+    p = _column(top_p, B, logits.dtype, logits.device)
+    k = _column(top_k, B, torch.long, logits.device)
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    ranks = torch.arange(V, device=logits.device)[None, :]
+    remove = (cum > p) | (ranks >= k)
+    remove[:, 0] = False
+    remove = remove.scatter(1, sorted_idx, remove)
+    logits = logits.masked_fill(remove, float("-inf"))
+    logits = logits / torch.clamp(temp, min=1e-5)
+    return torch.softmax(logits, dim=-1)
+
+
+def apply_repetition_penalty(logits: Tensor, penalty: Tensor | float, window: Tensor | None) -> Tensor:
+    """S1 penalty at the ``window`` ids [B, W] (-1 = empty slot): a logit is divided by the
+    penalty when positive and multiplied when negative (fp32 math, rounded to the logits dtype)."""
+    if window is None or not window.numel():
+        return logits
+    B = logits.shape[0]
+    r = _column(penalty, B, torch.float32, logits.device)
+    valid = window >= 0
+    ids = window.clamp(min=0)
+    original = torch.gather(logits, 1, ids)
+    score = original.float()
+    score = torch.where(score < 0, score * r, score / r).to(logits.dtype)
+    return logits.scatter(1, ids, torch.where(valid, score, original))
+
+
+def s1_logits_to_probs(logits: Tensor, temperature: Tensor | float, top_p: Tensor | float,
+                       penalty: Tensor | float, window: Tensor | None) -> Tensor:
+    """S1 rule, batched: repetition penalty at ``window`` ids [B, W] (-1 = empty), then top-p
+    and temperature. Parameters are fp32; results are rounded to the logits dtype and the
+    top-p comparison uses top_p rounded to the logits dtype, as the reference does."""
+    B, V = logits.shape
+    dt = logits.dtype
+    temp = _column(temperature, B, torch.float32, logits.device)
+    p = _column(top_p, B, torch.float32, logits.device)
+    logits = apply_repetition_penalty(logits, penalty, window)
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cum > p.to(dt)
+    remove[:, 0] = False
+    remove = remove.scatter(1, sorted_idx, remove)
+    logits = logits.masked_fill(remove, float("-inf"))
+    logits = (logits.float() / torch.clamp(temp, min=1e-5)).to(dt)
+    return torch.softmax(logits, dim=-1)
+
+
+def race(probs: Tensor, q: Tensor) -> Tensor:
+    """The exponential race: argmax(probs / q) per row, first index on ties -> [B] int64."""
+    return torch.argmax(probs / q, dim=-1)
+
+
+class NoiseSource:
+    """Per-request random draws for the exponential race.
+
+    Each row owns a ``torch.Generator`` seeded from its request seed, so a request's draws are
+    the same alone or in any batch. ``dtype`` is the dtype of the uniform draw: fp32 by default;
+    the reference draws in the model dtype (bf16 has 8 random bits, so U = 0 -> q = inf happens
+    with probability 1/256 and can force token 0 -- see docs/fidelity.md).
+    """
+
+    def __init__(self, seeds: list[int], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, exponential: bool = False) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.exponential = exponential
+        self.generators = []
+        for s in seeds:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(int(s))
+            self.generators.append(g)
+
+    def draw(self, vocab: int) -> Tensor:
+        """[B, vocab] of ``-log U`` (or ``Exp(1)`` in S1 mode), one row per generator."""
+        rows = []
+        for g in self.generators:
+            if self.exponential:
+                rows.append(torch.empty(vocab, dtype=self.dtype, device=self.device).exponential_(1, generator=g))
+            else:
+                u = torch.rand(vocab, dtype=self.dtype, device=self.device, generator=g)
+                rows.append(-torch.log(u))
+        return torch.stack(rows)
+
+
+def sample_s2(logits: Tensor, params: list[SamplingParams], noise: NoiseSource | None,
+              vocab_mask: Tensor | None = None, high: bool = False) -> Tensor:
+    """Sample one token per row with the S2 rule. ``vocab_mask`` [V] bool marks allowed ids.
+
+    ``high`` uses each row's RAS fallback settings. Rows with ``greedy`` take the argmax of the
+    (masked) logits without consuming randomness semantics beyond the shared draw.
+    """
+    if vocab_mask is not None:
+        logits = logits.masked_fill(~vocab_mask, float("-inf"))
+    B = logits.shape[0]
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    if bool(greedy.all()) or noise is None:
+        if not bool(greedy.all()):
+            raise ValueError("a NoiseSource is needed for non-greedy rows")
+        return torch.argmax(logits, dim=-1)
+    temp = [p.ras_temperature if high else p.temperature for p in params]
+    top_p = [p.ras_top_p if high else p.top_p for p in params]
+    top_k = [p.top_k for p in params]
+    probs = logits_to_probs(logits, torch.tensor(temp), torch.tensor(top_p), torch.tensor(top_k))
+    q = noise.draw(logits.shape[-1]).to(probs.dtype if noise.dtype == probs.dtype else torch.float32)
+    sampled = race(probs if q.dtype == probs.dtype else probs.float(), q)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)

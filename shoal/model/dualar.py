@@ -1,0 +1,130 @@
+"""The DualAR model: a slow transformer over the token grid and a fast transformer over the
+10 codebooks of one frame. Every forward is batched and takes per-sequence positions.
+
+Numerics follow fish-speech spec §2: the codebook-embedding sum divided by sqrt(C+1) at
+semantic positions (text embedding included), a final-normed fast input for S2 (pre-norm for
+S1), tied or untied slow head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers import AttentionBackend, Block, RMSNorm, rope_table
+from .static_cache import StaticKVCache
+
+
+@dataclass
+class SlowOutput:
+    logits: Tensor  # [B, vocab] at each row's last position (unconstrained)
+    fast_input: Tensor  # [B, dim]: hidden state that seeds the fast transformer
+    hidden: Tensor  # [B, S, dim]: pre-norm residual stream (for tests / debugging)
+
+
+class DualAR(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.semantic_begin_id is None or config.semantic_end_id is None:
+            raise ValueError("ModelConfig needs semantic_begin_id / semantic_end_id")
+        self.config = config
+        s, f = config.slow, config.fast
+        self.embeddings = nn.Embedding(config.vocab_size, s.dim)
+        self.codebook_embeddings = nn.Embedding(config.num_codebooks * config.codebook_size, s.dim)
+        self.layers = nn.ModuleList(Block(s, config.norm_eps) for _ in range(s.n_layer))
+        self.norm = RMSNorm(s.dim, config.norm_eps)
+        if not config.tie_word_embeddings:
+            self.output = nn.Linear(s.dim, config.vocab_size, bias=False)
+        self.fast_embeddings = nn.Embedding(config.codebook_size, f.dim)
+        self.fast_layers = nn.ModuleList(Block(f, config.norm_eps) for _ in range(f.n_layer))
+        self.fast_norm = RMSNorm(f.dim, config.norm_eps)
+        self.fast_output = nn.Linear(f.dim, config.codebook_size, bias=False)
+        self.init_buffers()
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the non-persistent tables; call after loading weights onto a device."""
+        c = self.config
+        device = device if device is not None else self.embeddings.weight.device
+        self.register_buffer("slow_rope", rope_table(c.max_seq_len, c.slow.head_dim, c.rope_base)
+                             .to(device), persistent=False)
+        self.register_buffer("fast_rope", rope_table(c.num_codebooks, c.fast.head_dim, c.rope_base)
+                             .to(device), persistent=False)
+        self.register_buffer("codebook_offsets",
+                             (torch.arange(c.num_codebooks) * c.codebook_size).to(device),
+                             persistent=False)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embeddings.weight.device
+
+    def new_slow_cache(self, batch: int, max_len: int | None = None) -> StaticKVCache:
+        s = self.config.slow
+        return StaticKVCache(s.n_layer, batch, max_len or self.config.max_seq_len, s.n_local_heads,
+                             s.head_dim, s.n_head, self.dtype, self.device)
+
+    def new_fast_cache(self, batch: int) -> StaticKVCache:
+        f = self.config.fast
+        return StaticKVCache(f.n_layer, batch, self.config.num_codebooks, f.n_local_heads,
+                             f.head_dim, f.n_head, self.dtype, self.device)
+
+    def is_semantic(self, tokens: Tensor) -> Tensor:
+        c = self.config
+        return (tokens >= c.semantic_begin_id) & (tokens <= c.semantic_end_id)
+
+    # ----------------------------------------------------------------- slow
+    def embed(self, grid: Tensor) -> Tensor:
+        """grid [B, 1+C, S] -> input embeddings [B, S, dim]."""
+        c = self.config
+        tokens = grid[:, 0]
+        codes = grid[:, 1:] + self.codebook_offsets[None, :, None]
+        vq = self.codebook_embeddings(codes).sum(dim=1)  # [B, S, dim]
+        semantic = self.is_semantic(tokens).unsqueeze(-1)
+        vq = vq.masked_fill(~semantic, 0)
+        x = self.embeddings(tokens) + vq
+        if c.scale_codebook_embeddings:
+            x = torch.where(semantic, x / math.sqrt(c.num_codebooks + 1), x)
+        return x
+
+    def slow_head(self, normed: Tensor) -> Tensor:
+        if self.config.tie_word_embeddings:
+            return nn.functional.linear(normed, self.embeddings.weight)
+        return self.output(normed)
+
+    def forward_slow(self, grid: Tensor, positions: Tensor, backend: AttentionBackend,
+                     last_index: Tensor | None = None) -> SlowOutput:
+        """grid [B, 1+C, S], positions [B, S]; the backend must already be bound to positions.
+
+        ``last_index`` [B] selects the position (within S) whose logits are returned; default S-1.
+        """
+        x = self.embed(grid)
+        cos_sin = self.slow_rope[positions]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, backend, i)
+        B, S, _ = x.shape
+        if last_index is None:
+            last = x[:, -1]
+        else:
+            last = x[torch.arange(B, device=x.device), last_index]
+        normed = self.norm(last)
+        logits = self.slow_head(normed)
+        fast_in = normed if self.config.norm_fastlayer_input else last
+        return SlowOutput(logits=logits, fast_input=fast_in, hidden=x)
+
+    # ----------------------------------------------------------------- fast
+    def forward_fast(self, x: Tensor, position: int, backend: AttentionBackend) -> Tensor:
+        """x [B, dim] at codebook position ``position`` (0 = the slow hidden state) -> logits
+        [B, codebook_size]. The backend must be bound to positions ``[[position]] * B``."""
+        h = x.unsqueeze(1)
+        cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
+        for i, layer in enumerate(self.fast_layers):
+            h = layer(h, cos_sin, backend, i)
+        return self.fast_output(self.fast_norm(h[:, 0]))

@@ -1,0 +1,60 @@
+"""A contiguous KV cache and attention backend: one row of [max_len] slots per sequence.
+
+Used by the reference generation loop and the tests. Every row has its own positions, so a
+batch may mix sequences of different lengths; attention is length-aware (keys beyond a
+query's position are masked, keys beyond the longest live position are never read).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class StaticKVCache:
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 n_heads: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (n_layers, batch, max_len, n_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.group = n_heads // n_kv_heads
+        self._rows: Tensor | None = None
+        self._positions: Tensor | None = None
+        self._mask: Tensor | None = None
+        self._kv_len = 0
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def bind(self, positions: Tensor, rows: Tensor | None = None) -> None:
+        """Set the positions [B, S] of the next forward; ``rows`` picks cache rows (default 0..B-1)."""
+        if positions.dim() != 2:
+            raise ValueError("positions must be [batch, seq]")
+        if int(positions.max()) >= self.max_len or int(positions.min()) < 0:
+            raise ValueError(
+                f"position out of range [0, {self.max_len}): the sequence is longer than the cache"
+            )
+        B = positions.shape[0]
+        if rows is None:
+            rows = torch.arange(B, device=positions.device)
+        self._rows = rows
+        self._positions = positions
+        self._kv_len = int(positions.max()) + 1
+        keys = torch.arange(self._kv_len, device=positions.device)
+        self._mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B,1,S,kv]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        assert self._positions is not None and self._rows is not None, "bind() before forward"
+        rows = self._rows[:, None].expand_as(self._positions)
+        self.k[layer][rows, self._positions] = k
+        self.v[layer][rows, self._positions] = v
+        keys = self.k[layer][self._rows, : self._kv_len].transpose(1, 2)  # [B,Hkv,kv,D]
+        vals = self.v[layer][self._rows, : self._kv_len].transpose(1, 2)
+        if self.group > 1:
+            keys = keys.repeat_interleave(self.group, dim=1)
+            vals = vals.repeat_interleave(self.group, dim=1)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=self._mask)
+        return y.transpose(1, 2)
