@@ -1,0 +1,536 @@
+"""Building blocks of the modded-DAC codec.
+
+Every block with temporal context implements ``forward(x, state=None)``:
+
+* ``state is None``: one-shot over the whole sequence, numerically the
+  reference computation (zero left padding of causal convs, right trim of
+  transposed convs, positions 0..T-1 in the transformers).
+* ``state`` a :class:`StreamState`: the block reads its carried context from
+  ``state[self.state_key]`` (plus derived keys), processes the new chunk only
+  and writes the new context back.  Zero initial context is exactly the
+  one-shot zero padding, so one-shot output == concatenated chunk outputs.
+
+Module and parameter names mirror the reference (``conv.weight``,
+``block.N``, ``layers.N.attention.wqkv`` ...) with weight norm folded, so a
+reference state dict maps onto ours key by key (see ``loader.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import TransformerConfig
+
+__all__ = [
+    "StreamState",
+    "StreamingModule",
+    "Seq",
+    "Snake",
+    "CausalConv1d",
+    "CausalConvTranspose1d",
+    "ConvNeXtBlock",
+    "ResidualUnit",
+    "RMSNorm",
+    "WindowLimitedTransformer",
+    "rope_table",
+    "apply_rotary_emb",
+    "window_mask",
+    "assign_state_keys",
+]
+
+
+# --------------------------------------------------------------------------- state
+class StreamState:
+    """Carried state of a batch of independent streams.
+
+    ``tensors`` maps a key (module path inside the codec, plus a suffix for
+    transformer caches) to a tensor whose **dim 0 is the stream index**.
+    ``bounds`` holds host-side integers (an upper bound of the position any
+    stream reached, per transformer) so no device sync is needed to size the
+    RoPE table.  All batch operations are plain per-key tensor ops, so a
+    state can be split, stacked and partially reset for slot-based batching.
+    """
+
+    def __init__(self, tensors: dict[str, Tensor] | None = None, bounds: dict[str, int] | None = None):
+        self.tensors: dict[str, Tensor] = dict(tensors or {})
+        self.bounds: dict[str, int] = dict(bounds or {})
+
+    # mapping access used by the layers
+    def __getitem__(self, key: str) -> Tensor:
+        return self.tensors[key]
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        self.tensors[key] = value
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    @property
+    def batch_size(self) -> int:
+        for t in self.tensors.values():
+            return t.shape[0]
+        return 0
+
+    # batch manipulation
+    def select(self, index: Tensor | Sequence[int] | slice) -> "StreamState":
+        """A new state holding the rows ``index`` (copies for tensor/list indices)."""
+        if not isinstance(index, slice):
+            index = _as_index(index, self)
+        return StreamState({k: v[index] for k, v in self.tensors.items()}, self.bounds)
+
+    def update_(self, index: Tensor | Sequence[int], other: "StreamState") -> "StreamState":
+        """Write the rows of ``other`` into rows ``index`` of this state, in place."""
+        index = _as_index(index, self)
+        if set(other.tensors) != set(self.tensors):
+            raise ValueError("stream states have different layouts")
+        for k, v in self.tensors.items():
+            v[index] = other.tensors[k].to(device=v.device, dtype=v.dtype)
+        for k, b in other.bounds.items():
+            self.bounds[k] = max(self.bounds.get(k, 0), b)
+        return self
+
+    def reset_(self, index: Tensor | Sequence[int] | None = None) -> "StreamState":
+        """Make rows ``index`` (all if None) fresh streams, in place."""
+        if index is None:
+            for v in self.tensors.values():
+                v.zero_()
+            self.bounds = {k: 0 for k in self.bounds}
+            return self
+        index = _as_index(index, self)
+        for v in self.tensors.values():
+            v[index] = 0
+        return self
+
+    @staticmethod
+    def cat(states: Iterable["StreamState"]) -> "StreamState":
+        states = list(states)
+        if not states:
+            raise ValueError("nothing to concatenate")
+        keys = set(states[0].tensors)
+        for s in states[1:]:
+            if set(s.tensors) != keys:
+                raise ValueError("stream states have different layouts")
+        bounds: dict[str, int] = {}
+        for s in states:
+            for k, b in s.bounds.items():
+                bounds[k] = max(bounds.get(k, 0), b)
+        return StreamState({k: torch.cat([s.tensors[k] for s in states], 0) for k in states[0].tensors}, bounds)
+
+    def to(self, device=None, dtype=None) -> "StreamState":
+        """Move (floating tensors also cast when ``dtype`` is given)."""
+        out = {}
+        for k, v in self.tensors.items():
+            if dtype is not None and v.is_floating_point():
+                out[k] = v.to(device=device, dtype=dtype)
+            else:
+                out[k] = v.to(device=device)
+        return StreamState(out, self.bounds)
+
+    def clone(self) -> "StreamState":
+        return StreamState({k: v.clone() for k, v in self.tensors.items()}, self.bounds)
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
+
+    def __repr__(self) -> str:
+        return f"StreamState(batch={self.batch_size}, tensors={len(self.tensors)}, bytes={self.nbytes()})"
+
+
+def _as_index(index, state: StreamState) -> Tensor:
+    dev = next(iter(state.tensors.values())).device if state.tensors else None
+    if isinstance(index, Tensor):
+        return index.to(device=dev) if index.dtype == torch.bool else index.to(device=dev, dtype=torch.long)
+    return torch.as_tensor(list(index), dtype=torch.long, device=dev)
+
+
+class StreamingModule(nn.Module):
+    """A block with ``forward(x, state=None)``; stateful ones set ``state_key``."""
+
+    state_key: str = ""
+
+    def init_stream_state(self, batch_size: int, device, dtype) -> dict[str, Tensor]:
+        return {}
+
+
+class Seq(nn.Sequential, StreamingModule):
+    """``nn.Sequential`` that threads the stream state through its children."""
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:  # type: ignore[override]
+        for m in self:
+            x = m(x, state) if isinstance(m, StreamingModule) else m(x)
+        return x
+
+
+def assign_state_keys(root: nn.Module, prefix: str = "") -> None:
+    """Give every streaming module its path inside ``root`` as state key."""
+    for name, m in root.named_modules(prefix=prefix.rstrip(".")):
+        if isinstance(m, StreamingModule):
+            m.state_key = name
+
+
+# --------------------------------------------------------------------------- conv blocks
+class Snake(StreamingModule):
+    """``x + sin²(αx) / (α + 1e-9)`` with per-channel α of shape [1, C, 1] (dac.nn.layers.snake)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        a = self.alpha
+        return x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)
+
+
+def extra_padding_for_conv1d(length: int, kernel_size: int, stride: int, padding_total: int) -> int:
+    """Right padding that makes the last window complete (reference ``get_extra_padding_for_conv1d``)."""
+    n_frames = (length - kernel_size + padding_total) / stride + 1
+    ideal_length = (math.ceil(n_frames) - 1) * stride + (kernel_size - padding_total)
+    return ideal_length - length
+
+
+class CausalConv1d(StreamingModule):
+    """Causal conv: left pad ``(k-1)·dilation + 1 − stride`` zeros plus right pad to whole frames.
+
+    ``weight_norm`` only records the reference checkpoint format (parametrized
+    weight norm); the weights are always plain (folded at load).
+    Streaming (stride 1 only): the carried context is the last
+    ``(k-1)·dilation`` input samples, shape [B, C_in, pad].
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, *, stride: int = 1,
+                 dilation: int = 1, groups: int = 1, weight_norm: bool = True):
+        super().__init__()
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, stride=stride, dilation=dilation, groups=groups)
+        self.weight_norm = weight_norm
+        self.stride = stride
+        self.dilation = dilation
+        self.groups = groups
+        self.kernel_size_eff = (kernel_size - 1) * dilation + 1
+        self.padding = self.kernel_size_eff - stride
+
+    def _conv(self, x: Tensor) -> Tensor:
+        return F.conv1d(x, self.conv.weight, self.conv.bias, self.stride, 0, self.dilation, self.groups)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        if state is None:
+            extra = extra_padding_for_conv1d(x.shape[-1], self.kernel_size_eff, self.stride, self.padding)
+            if self.padding or extra:
+                x = F.pad(x, (self.padding, extra))
+            return self._conv(x)
+        if self.stride != 1:
+            raise NotImplementedError("streaming is only implemented for stride-1 causal convs")
+        if self.padding == 0:
+            return self._conv(x)
+        x = torch.cat([state[self.state_key], x], dim=-1)
+        state[self.state_key] = x[..., x.shape[-1] - self.padding:].clone()
+        return self._conv(x)
+
+    def init_stream_state(self, batch_size, device, dtype):
+        if self.stride != 1 or self.padding == 0:
+            return {}
+        return {self.state_key: torch.zeros(batch_size, self.conv.in_channels, self.padding, device=device, dtype=dtype)}
+
+
+class CausalConvTranspose1d(StreamingModule):
+    """Transposed conv with the last ``k − stride`` output samples trimmed (causal).
+
+    Streaming: the carried state is the bias-free overlap tail, [B, C_out, k − stride],
+    added to the first outputs of the next chunk.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, *, stride: int = 1,
+                 weight_norm: bool = True):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
+        self.weight_norm = weight_norm
+        self.stride = stride
+        self.kernel_size = kernel_size
+        self.trim = kernel_size - stride
+        if self.trim < 0:
+            raise ValueError("transposed conv kernel must be >= stride")
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        if state is None:
+            y = F.conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
+            return y[..., : y.shape[-1] - self.trim].contiguous()
+        n = x.shape[-1] * self.stride
+        y = F.conv_transpose1d(x, self.conv.weight, None, self.stride)
+        if self.trim:
+            y[..., : self.trim] += state[self.state_key]
+            state[self.state_key] = y[..., n:].clone()
+        y = y[..., :n]
+        if self.conv.bias is not None:
+            y = y + self.conv.bias[:, None]
+        return y
+
+    def init_stream_state(self, batch_size, device, dtype):
+        if self.trim == 0:
+            return {}
+        return {self.state_key: torch.zeros(batch_size, self.conv.out_channels, self.trim, device=device, dtype=dtype)}
+
+
+class ResidualUnit(StreamingModule):
+    """Snake → causal conv k7 (dilated) → Snake → causal conv k1, plus the input."""
+
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = Seq(
+            Snake(dim),
+            CausalConv1d(dim, dim, 7, dilation=dilation),
+            Snake(dim),
+            CausalConv1d(dim, dim, 1),
+        )
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return x + self.block(x, state)
+
+
+class ConvNeXtBlock(StreamingModule):
+    """Causal depthwise conv → LayerNorm → Linear(d→r·d) → GELU → Linear → γ → residual."""
+
+    def __init__(self, dim: int, mlp_ratio: float = 4.0, kernel_size: int = 7, eps: float = 1e-6):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))  # registered first: reference key order
+        self.dwconv = CausalConv1d(dim, dim, kernel_size, groups=dim, weight_norm=False)
+        self.norm = nn.LayerNorm(dim, eps=eps)
+        self.pwconv1 = nn.Linear(dim, int(mlp_ratio * dim))
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(int(mlp_ratio * dim), dim)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        y = self.dwconv(x, state).permute(0, 2, 1)
+        y = self.pwconv2(self.act(self.pwconv1(self.norm(y))))
+        y = (self.gamma * y).permute(0, 2, 1)
+        return x + y
+
+
+# --------------------------------------------------------------------------- transformer
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+_ROPE_LOCK = threading.Lock()
+_ROPE_CPU: dict[tuple[int, float], Tensor] = {}
+_ROPE_DEV: dict[tuple[int, float, str], Tensor] = {}
+
+
+def _rope_cpu(n: int, head_dim: int, base: float) -> Tensor:
+    # Same ops as the reference precompute_freqs_cis (values do not depend on n).
+    b = int(base) if float(base).is_integer() else float(base)
+    freqs = 1.0 / (b ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    t = torch.arange(n)
+    ang = torch.outer(t, freqs)
+    cis = torch.polar(torch.ones_like(ang), ang)
+    return torch.stack([cis.real, cis.imag], dim=-1).to(torch.bfloat16)
+
+
+def rope_table(n: int, head_dim: int, base: float, device: torch.device | str = "cpu") -> Tensor:
+    """bf16 table [L ≥ n, head_dim/2, 2] of (cos, sin), built on CPU like the reference and cached."""
+    device = torch.device(device)
+    key = (head_dim, float(base), str(device))
+    tab = _ROPE_DEV.get(key)
+    if tab is not None and tab.shape[0] >= n:
+        return tab
+    with _ROPE_LOCK:
+        length = max(4096, 1 << max(0, (n - 1)).bit_length())
+        cpu = _ROPE_CPU.get(key[:2])
+        if cpu is None or cpu.shape[0] < length:
+            cpu = _rope_cpu(length, head_dim, base)
+            _ROPE_CPU[key[:2]] = cpu
+        tab = cpu.to(device)
+        _ROPE_DEV[key] = tab
+        return tab
+
+
+def apply_rotary_emb(x: Tensor, cos_sin: Tensor) -> Tensor:
+    """Interleaved-pair RoPE in fp32. x [B, T, H, D]; cos_sin bf16 [T, D/2, 2] or [B, T, D/2, 2]."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    if cos_sin.dim() == 3:
+        cos_sin = cos_sin[None]
+    fc = cos_sin[:, :, None]  # [B|1, T, 1, D/2, 2]
+    out = torch.stack(
+        [
+            xs[..., 0] * fc[..., 0] - xs[..., 1] * fc[..., 1],
+            xs[..., 1] * fc[..., 0] + xs[..., 0] * fc[..., 1],
+        ],
+        dim=-1,
+    )
+    return out.flatten(3).type_as(x)
+
+
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """Bool mask [..., Tq, Tk]: key allowed iff q − window < k ≤ q and k ≥ 0."""
+    q = q_pos[..., :, None]
+    k = k_pos[..., None, :]
+    return (k <= q) & (k > q - window) & (k >= 0)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.n_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
+
+    def qkv(self, x: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        q, k, v = self.wqkv(x).view(b, t, 3, self.n_head, self.head_dim).unbind(2)
+        q = apply_rotary_emb(q, cos_sin)
+        k = apply_rotary_emb(k, cos_sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+
+    def out(self, y: Tensor) -> Tensor:
+        b, _, t, _ = y.shape
+        return self.wo(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        # Registration order matches the reference state-dict order.
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.intermediate_size)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_layer_scale = LayerScale(cfg.dim)
+        self.ffn_layer_scale = LayerScale(cfg.dim)
+
+    def ffn(self, h: Tensor) -> Tensor:
+        return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+
+
+# one-shot attention is computed in query blocks of this many rows (bounded memory, no T×T mask)
+ATTN_QUERY_BLOCK = 1024
+
+
+class WindowLimitedTransformer(StreamingModule):
+    """Causal transformer whose query i sees keys i−window < j ≤ i; channels-first I/O.
+
+    Masks are built on the fly per query block; nothing T×T is registered.
+    Streaming state (key = ``state_key``):
+
+    * ``{key}.pos``: int64 [B], frames already consumed by each stream;
+    * ``{key}.layers.{i}.k`` / ``.v``: [B, H, window−1, head_dim], the rotated
+      keys / values of the last window−1 positions (older slots of a young
+      stream are masked by position).
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.window = cfg.window_size
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def _rope(self, n: int, device) -> Tensor:
+        return rope_table(n, self.cfg.head_dim, self.cfg.rope_base, device)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        x = x.transpose(1, 2)  # [B, T, C]
+        if state is None:
+            x = self._forward_full(x)
+        else:
+            x = self._forward_stream(x, state)
+        return self.norm(x).transpose(1, 2)
+
+    def _forward_full(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        dev = x.device
+        cos_sin = self._rope(T, dev)[:T]
+        pos = torch.arange(T, device=dev)
+        W = self.window
+        QB = ATTN_QUERY_BLOCK
+        blocks = [(s, min(T, s + QB)) for s in range(0, T, QB)] or [(0, 0)]
+        masks = []
+        for s, e in blocks:
+            ks = max(0, s - W + 1)
+            masks.append((ks, window_mask(pos[s:e], pos[ks:e], W)))
+        for layer in self.layers:
+            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
+            if len(blocks) == 1:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[0][1])
+            else:
+                y = torch.cat(
+                    [
+                        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, ks:e], v[:, :, ks:e], attn_mask=m)
+                        for (s, e), (ks, m) in zip(blocks, masks)
+                    ],
+                    dim=2,
+                )
+            h = x + layer.attention_layer_scale(layer.attention.out(y))
+            x = layer.ffn(h)
+        return x
+
+    def _forward_stream(self, x: Tensor, state: StreamState) -> Tensor:
+        key = self.state_key
+        B, t, _ = x.shape
+        if t == 0:
+            return x
+        dev = x.device
+        P = self.window - 1
+        pos = state[f"{key}.pos"]  # [B]
+        bound = state.bounds.get(key, 0) + t
+        table = self._rope(bound, dev)
+        ar = torch.arange(t, device=dev)
+        q_pos = pos[:, None] + ar  # [B, t]
+        cos_sin = table[q_pos]  # [B, t, D/2, 2]
+        k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
+        mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
+            kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
+            k = torch.cat([state[kk].to(k.dtype), k], dim=2)
+            v = torch.cat([state[vk].to(v.dtype), v], dim=2)
+            state[kk] = k[:, :, k.shape[2] - P:].clone()
+            state[vk] = v[:, :, v.shape[2] - P:].clone()
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            h = x + layer.attention_layer_scale(layer.attention.out(y))
+            x = layer.ffn(h)
+        state[f"{key}.pos"] = pos + t
+        state.bounds[key] = bound
+        return x
+
+    def init_stream_state(self, batch_size, device, dtype):
+        key = self.state_key
+        P = self.window - 1
+        shape = (batch_size, self.cfg.n_head, P, self.cfg.head_dim)
+        out = {f"{key}.pos": torch.zeros(batch_size, dtype=torch.long, device=device)}
+        for i in range(self.cfg.n_layer):
+            out[f"{key}.layers.{i}.k"] = torch.zeros(shape, device=device, dtype=dtype)
+            out[f"{key}.layers.{i}.v"] = torch.zeros(shape, device=device, dtype=dtype)
+        return out

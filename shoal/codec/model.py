@@ -1,0 +1,299 @@
+"""The modded-DAC codec: causal conv encoder, downsampling RVQ, causal conv decoder.
+
+Structure and parameter names follow fish-speech ``modded_dac.DAC`` +
+``rvq.DownsampleResidualVectorQuantize`` (weight norm folded).  See
+``docs/codec.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import CodecConfig, QuantizerConfig
+from .layers import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    ConvNeXtBlock,
+    ResidualUnit,
+    Seq,
+    Snake,
+    StreamingModule,
+    StreamState,
+    WindowLimitedTransformer,
+    assign_state_keys,
+)
+
+__all__ = ["Encoder", "Decoder", "VectorQuantize", "ResidualVectorQuantize", "DownsampleRVQ", "Codec"]
+
+
+class EncoderBlock(StreamingModule):
+    def __init__(self, dim: int, stride: int, transformer):
+        super().__init__()
+        self.block = Seq(
+            ResidualUnit(dim // 2, 1),
+            ResidualUnit(dim // 2, 3),
+            ResidualUnit(dim // 2, 9),
+            Snake(dim // 2),
+            CausalConv1d(dim // 2, dim, 2 * stride, stride=stride),
+            WindowLimitedTransformer(transformer) if transformer is not None else nn.Identity(),
+        )
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return self.block(x, state)
+
+
+class Encoder(StreamingModule):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        d = cfg.encoder_dim
+        blocks: list[nn.Module] = [CausalConv1d(1, d, 7)]
+        for i, stride in enumerate(cfg.encoder_rates):
+            d *= 2
+            blocks.append(EncoderBlock(d, stride, cfg.encoder_block_transformer(i)))
+        blocks += [Snake(d), CausalConv1d(d, cfg.latent_dim, 3)]
+        self.block = Seq(*blocks)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return self.block(x, state)
+
+
+class DecoderBlock(StreamingModule):
+    def __init__(self, in_dim: int, out_dim: int, stride: int):
+        super().__init__()
+        self.block = Seq(
+            Snake(in_dim),
+            CausalConvTranspose1d(in_dim, out_dim, 2 * stride, stride=stride),
+            ResidualUnit(out_dim, 1),
+            ResidualUnit(out_dim, 3),
+            ResidualUnit(out_dim, 9),
+        )
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return self.block(x, state)
+
+
+class Decoder(StreamingModule):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        layers: list[nn.Module] = [CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7)]
+        out_dim = cfg.decoder_dim
+        for (in_dim, out_dim), stride in zip(cfg.decoder_block_channels, cfg.decoder_rates):
+            layers.append(DecoderBlock(in_dim, out_dim, stride))
+        layers += [Snake(out_dim), CausalConv1d(out_dim, 1, 7), nn.Tanh()]
+        self.model = Seq(*layers)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        return self.model(x, state)
+
+
+class VectorQuantize(nn.Module):
+    """Factorized, L2-normalized VQ (dac ``VectorQuantize``); projections are k=1 convs."""
+
+    def __init__(self, input_dim: int, codebook_size: int, codebook_dim: int):
+        super().__init__()
+        self.codebook_size = codebook_size
+        self.in_proj = nn.Conv1d(input_dim, codebook_dim, 1)
+        self.out_proj = nn.Conv1d(codebook_dim, input_dim, 1)
+        self.codebook = nn.Embedding(codebook_size, codebook_dim)
+
+    def encode(self, z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """z [B, D, T] → (out_proj of the quantized latent [B, D, T], codes [B, T], z_e [B, d, T])."""
+        z_e = self.in_proj(z)
+        B, d, T = z_e.shape
+        enc = F.normalize(z_e.transpose(1, 2).reshape(B * T, d).float())
+        cb = F.normalize(self.codebook.weight.float())
+        dist = enc.pow(2).sum(1, keepdim=True) - 2 * enc @ cb.t() + cb.pow(2).sum(1, keepdim=True).t()
+        codes = (-dist).max(1)[1].view(B, T)
+        z_q = self.embed(codes)
+        z_q = z_e + (z_q - z_e)  # the reference's straight-through form (not bit-equal to z_q)
+        return self.out_proj(z_q), codes, z_e
+
+    def embed(self, codes: Tensor) -> Tensor:
+        """codes [B, T] → un-normalized codebook rows [B, d, T]."""
+        return F.embedding(codes, self.codebook.weight).transpose(1, 2)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.out_proj(self.embed(codes))
+
+
+class ResidualVectorQuantize(nn.Module):
+    def __init__(self, input_dim: int, n_codebooks: int, codebook_size: int, codebook_dim: int):
+        super().__init__()
+        self.codebook_size = codebook_size
+        self.quantizers = nn.ModuleList(
+            VectorQuantize(input_dim, codebook_size, codebook_dim) for _ in range(n_codebooks)
+        )
+
+    def encode(self, z: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Quantize the running residual → (Σ stage outputs, codes [B, N, T], [z_e per stage])."""
+        z_q: Tensor | float = 0.0
+        residual = z
+        codes, latents = [], []
+        for q in self.quantizers:
+            z_q_i, c, z_e = q.encode(residual)
+            z_q = z_q + z_q_i
+            residual = residual - z_q_i
+            codes.append(c)
+            latents.append(z_e)
+        return z_q, torch.stack(codes, dim=1), latents  # type: ignore[return-value]
+
+    def decode(self, codes: Tensor) -> Tensor:
+        z_q: Tensor | float = 0.0
+        for i, q in enumerate(self.quantizers):
+            z_q = z_q + q.decode(codes[:, i])
+        return z_q  # type: ignore[return-value]
+
+
+class DownsampleRVQ(nn.Module):
+    """``DownsampleResidualVectorQuantize`` (eval mode, no quantizer dropout)."""
+
+    def __init__(self, cfg: QuantizerConfig):
+        super().__init__()
+        self.cfg = cfg
+        dims = cfg.all_dims
+        # Registration order matches the reference state-dict order.
+        self.semantic_quantizer = ResidualVectorQuantize(cfg.input_dim, 1, cfg.semantic_codebook_size, cfg.codebook_dim)
+        self.quantizer = ResidualVectorQuantize(cfg.input_dim, cfg.n_codebooks, cfg.codebook_size, cfg.codebook_dim)
+
+        def convnext(d: int) -> ConvNeXtBlock:
+            return ConvNeXtBlock(d, cfg.convnext_mlp_ratio, cfg.convnext_kernel_size, cfg.convnext_layernorm_eps)
+
+        self.downsample = Seq(
+            *[
+                Seq(CausalConv1d(dims[i], dims[i + 1], f, stride=f, weight_norm=False), convnext(dims[i + 1]))
+                for i, f in enumerate(cfg.downsample_factor)
+            ]
+        )
+        self.upsample = Seq(
+            *[
+                Seq(CausalConvTranspose1d(dims[i + 1], dims[i], f, stride=f, weight_norm=False), convnext(dims[i]))
+                for i, f in reversed(list(enumerate(cfg.downsample_factor)))
+            ]
+        )
+        self.pre_module = WindowLimitedTransformer(cfg.pre_module)
+        self.post_module = WindowLimitedTransformer(cfg.post_module)
+
+    @property
+    def codebook_maxes(self) -> tuple[int, int]:
+        return self.cfg.semantic_codebook_size - 1, self.cfg.codebook_size - 1
+
+    def encode(self, z: Tensor, return_intermediates: bool = False):
+        """Latent [B, D, 4T] → codes [B, 1+N, T] (int64)."""
+        x = self.downsample(z)
+        pre = self.pre_module(x)
+        sem_z, sem_codes, sem_lat = self.semantic_quantizer.encode(pre)
+        _, res_codes, res_lat = self.quantizer.encode(pre - sem_z)
+        codes = torch.cat([sem_codes, res_codes], dim=1)
+        if return_intermediates:
+            return codes, {"downsample_out": x, "pre_module_out": pre, "z_e": sem_lat + res_lat}
+        return codes
+
+    def clamp_codes(self, codes: Tensor) -> Tensor:
+        """New tensor with code0 in [0, 4095] and codes 1.. in [0, 1023] (the input is not touched)."""
+        smax, rmax = self.codebook_maxes
+        codes = codes.long()
+        return torch.cat([codes[:, :1].clamp(0, smax), codes[:, 1:].clamp(0, rmax)], dim=1)
+
+    def codes_to_latent(self, codes: Tensor) -> Tensor:
+        """Clamped codes [B, 1+N, T] → z_q [B, D, T] = Σ out_proj(codebook[code])."""
+        return self.semantic_quantizer.decode(codes[:, :1]) + self.quantizer.decode(codes[:, 1:])
+
+    def decode(self, codes: Tensor, state: StreamState | None = None) -> Tensor:
+        z = self.codes_to_latent(self.clamp_codes(codes))
+        z = self.post_module(z, state)
+        return self.upsample(z, state)
+
+
+class Codec(nn.Module):
+    """The modded-DAC codec (44.1 kHz mono, hop 2048, 10 codebooks).
+
+    Build with :func:`shoal.codec.load_codec`; a bare ``Codec(cfg)`` has
+    arbitrary weights.
+    """
+
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        self.config = config
+        self.sample_rate = config.sample_rate
+        self.frame_length = config.frame_length
+        self.hop_length = config.hop_length_encoder
+        self.num_codebooks = config.num_codebooks
+        self.codebook_sizes = config.codebook_sizes
+        self.encoder = Encoder(config)
+        self.quantizer = DownsampleRVQ(config.quantizer)
+        self.decoder = Decoder(config)
+        assign_state_keys(self)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.model[0].conv.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.model[0].conv.weight.dtype
+
+    def _prepare_audio(self, audio: Tensor) -> Tensor:
+        if audio.dim() == 1:
+            audio = audio[None, None]
+        elif audio.dim() == 2:
+            audio = audio[:, None]
+        if audio.dim() != 3 or audio.shape[1] != 1:
+            raise ValueError(f"audio must be [B, 1, N] (mono), got shape {tuple(audio.shape)}")
+        audio = audio.to(device=self.device, dtype=self.dtype)
+        n = audio.shape[-1]
+        right = -n % self.frame_length
+        return F.pad(audio, (0, right)) if right else audio
+
+    @torch.no_grad()
+    def encode(self, audio: Tensor, lengths: Tensor | None = None, return_intermediates: bool = False):
+        """audio [B, 1, N] at 44.1 kHz → (codes [B, 10, ceil(N/2048)] int64, code_lengths [B] int64).
+
+        Items shorter than N are zero-padded on the right by the caller; their
+        codes past ``code_lengths`` are padding.  Causality makes a padded
+        item's valid codes identical to encoding it alone.
+        """
+        x = self._prepare_audio(audio)
+        if x.shape[-1] == 0:
+            raise ValueError("cannot encode empty audio")
+        B = x.shape[0]
+        T = x.shape[-1] // self.frame_length
+        z = self.encoder(x)
+        out = self.quantizer.encode(z, return_intermediates=return_intermediates)
+        codes = out[0] if return_intermediates else out
+        if lengths is None:
+            code_lengths = torch.full((B,), T, dtype=torch.long, device=codes.device)
+        else:
+            lengths = torch.as_tensor(lengths, device=codes.device).long()
+            code_lengths = (lengths + self.frame_length - 1) // self.frame_length
+        if return_intermediates:
+            inter = dict(out[1])
+            inter["encoder_out"] = z
+            return codes, code_lengths, inter
+        return codes, code_lengths
+
+    def _check_codes(self, codes: Tensor) -> Tensor:
+        if codes.dim() == 2:
+            codes = codes[None]
+        if codes.dim() != 3 or codes.shape[1] != self.num_codebooks:
+            raise ValueError(f"codes must be [B, {self.num_codebooks}, T], got shape {tuple(codes.shape)}")
+        if codes.is_floating_point():
+            raise ValueError("codes must be an integer tensor")
+        return codes.to(self.device)
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes [B, 10, T] → waveform [B, 1, 2048·T] in [-1, 1].
+
+        Codes are clamped (code0 ≤ 4095, codes 1..9 ≤ 1023, all ≥ 0) on a copy;
+        the caller's tensor is never modified (the reference clamps in place).
+        """
+        codes = self._check_codes(codes)
+        if codes.shape[-1] == 0:
+            return torch.zeros(codes.shape[0], 1, 0, device=self.device, dtype=self.dtype)
+        return self.decoder(self.quantizer.decode(codes))
+
+    def decode_latent(self, codes: Tensor, state: StreamState | None = None) -> Tensor:
+        """Codes → decoder input [B, D, 4T] (post_module + upsample); used by streaming."""
+        return self.quantizer.decode(self._check_codes(codes), state)

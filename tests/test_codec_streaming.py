@@ -1,0 +1,177 @@
+"""Streaming decode == one-shot decode, for any chunk schedule and across batched streams."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from shoal.codec import CodecConfig, DecoderState, StreamingDecoder, load_codec
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+TINY = GOLDEN / "codec_tiny"
+
+pytestmark = pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+
+
+@pytest.fixture(scope="module")
+def dec(codec):
+    return StreamingDecoder(codec)
+
+
+@pytest.fixture(scope="module")
+def golden_codes():
+    from safetensors.torch import load_file
+
+    g = load_file(str(TINY / "outputs" / "codec_golden_fp32.safetensors"))
+    return {k.split(".")[0]: v for k, v in g.items() if k.endswith(".input_codes")}
+
+
+def random_codes(T: int, seed: int, batch: int = 1, oob: bool = False) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    hi = 4096 if oob else 1024
+    return torch.cat(
+        [torch.randint(0, 4096, (batch, 1, T), generator=g), torch.randint(0, hi, (batch, 9, T), generator=g)], 1
+    )
+
+
+def stream(dec, codes: torch.Tensor, schedule, state=None) -> torch.Tensor:
+    state = dec.new_state(codes.shape[0]) if state is None else state
+    outs, i = [], 0
+    for t in schedule:
+        outs.append(dec.decode_chunk(codes[:, :, i : i + t], state))
+        assert outs[-1].shape == (codes.shape[0], 1, 2048 * min(t, codes.shape[-1] - i))
+        i += t
+    assert i >= codes.shape[-1]
+    return torch.cat(outs, -1)
+
+
+def err(a, b) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [[1] * 28, [2] * 14, [3] * 9 + [1], [8, 8, 8, 4], [1, 2, 3, 5, 8, 9], [28]],
+    ids=["1", "2", "3", "8", "mixed", "whole"],
+)
+def test_schedules_match_one_shot(codec, dec, golden_codes, schedule):
+    codes = golden_codes["decode_encoded"][None]
+    ref = codec.decode(codes)
+    out = stream(dec, codes, schedule)
+    assert out.shape == ref.shape
+    assert err(out, ref) <= TOL
+
+
+def test_oob_codes_stream_and_caller_tensor_untouched(codec, dec, golden_codes):
+    codes = golden_codes["decode_oob"][None].clone()
+    keep = codes.clone()
+    out = stream(dec, codes, [2, 1, 4])
+    assert torch.equal(codes, keep)
+    assert err(out, codec.decode(keep)) <= TOL
+
+
+def test_long_stream_beyond_window(codec, dec):
+    # 200 frames > post-module window 128: exercises KV eviction and RoPE positions
+    codes = random_codes(200, seed=3)
+    ref = codec.decode(codes)
+    rng = random.Random(0)
+    sched = []
+    while sum(sched) < 200:
+        sched.append(rng.choice([1, 2, 3, 5, 8, 13]))
+    state = dec.new_state(1)
+    sizes = {k: v.shape for k, v in state.tensors.items()}
+    out = stream(dec, codes, sched, state)
+    assert err(out, ref) <= TOL
+    # bounded state: nothing grows with the stream length (past frames are never re-decoded)
+    assert {k: v.shape for k, v in state.tensors.items()} == sizes
+    assert int(state["quantizer.post_module.pos"][0]) == 200
+
+
+def test_batch_of_streams_with_different_schedules(codec, dec, golden_codes):
+    a = golden_codes["decode_encoded"][None]  # 28 frames
+    b = random_codes(20, seed=11, oob=True)  # 20 frames
+    ref_a, ref_b = codec.decode(a), codec.decode(b)
+
+    # each stream starts alone with its own schedule ...
+    sa, sb = dec.new_state(1), dec.new_state(1)
+    outs_a = [dec.decode_chunk(a[:, :, 0:3], sa), dec.decode_chunk(a[:, :, 3:8], sa)]  # a at frame 8
+    outs_b = [dec.decode_chunk(b[:, :, 0:1], sb)]  # b at frame 1
+    # ... then they are stacked and decoded together (different positions per row)
+    st = DecoderState.cat([sa, sb])
+    ia, ib = 8, 1
+    for t in [1, 4, 2, 7, 5]:
+        chunk = torch.cat([a[:, :, ia : ia + t], b[:, :, ib : ib + t]], 0)
+        out = dec.decode_chunk(chunk, st)
+        outs_a.append(out[:1])
+        outs_b.append(out[1:])
+        ia += t
+        ib += t
+    assert (ia, ib) == (27, 20)
+    # b finished: split a off and finish it alone
+    sa = st.select([0])
+    outs_a.append(dec.decode_chunk(a[:, :, ia:], sa))
+    assert err(torch.cat(outs_a, -1), ref_a) <= TOL
+    assert err(torch.cat(outs_b, -1), ref_b) <= TOL
+
+
+def test_batched_same_schedule_different_codes(codec, dec):
+    codes = random_codes(40, seed=5, batch=2)
+    ref = codec.decode(codes)
+    out = stream(dec, codes, [1, 3, 8, 2, 16, 10])
+    assert err(out, ref) <= TOL
+
+
+def test_slot_reset_and_update(codec, dec):
+    """Engine-style slot pool: reuse a slot for a new request mid-way."""
+    x = random_codes(30, seed=21)
+    y = random_codes(30, seed=22)
+    z = random_codes(12, seed=23)
+    pool = dec.new_state(2)
+    o0 = dec.decode_chunk(torch.cat([x[:, :, :10], y[:, :, :10]]), pool)
+    # slot 1 finishes its request; a new request z takes the slot
+    pool.reset_([1])
+    o1 = dec.decode_chunk(torch.cat([x[:, :, 10:22], z]), pool)
+    assert err(torch.cat([o0[:1], o1[:1]], -1), codec.decode(x[:, :, :22])) <= TOL
+    assert err(o1[1:], codec.decode(z)) <= TOL
+    # update_: continue slot 0 in a separate single-stream state, write it back
+    single = pool.select([0])
+    o2 = dec.decode_chunk(x[:, :, 22:26], single)
+    pool.update_([0], single)
+    o3 = dec.decode_chunk(torch.cat([x[:, :, 26:30], z[:, :, :4]]), pool)
+    assert err(torch.cat([o0[:1], o1[:1], o2, o3[:1]], -1), codec.decode(x)) <= TOL
+
+
+def test_empty_chunk_and_validation(dec):
+    st = dec.new_state(2)
+    snap = st.clone()
+    out = dec.decode_chunk(torch.zeros(2, 10, 0, dtype=torch.long), st)
+    assert out.shape == (2, 1, 0)
+    assert all(torch.equal(st.tensors[k], snap.tensors[k]) for k in st.tensors)
+    with pytest.raises(ValueError):
+        dec.decode_chunk(torch.zeros(3, 10, 1, dtype=torch.long), st)
+    with pytest.raises(ValueError):
+        dec.decode_chunk(torch.zeros(2, 9, 1, dtype=torch.long), st)
+
+
+def test_state_layout(dec, codec):
+    layout = dec.state_layout()
+    assert layout["quantizer.post_module.pos"] == ((), torch.int64)
+    w = codec.config.quantizer.post_module
+    assert layout["quantizer.post_module.layers.0.k"][0] == (w.n_head, w.window_size - 1, w.head_dim)
+    # dilated k7 conv of the last residual unit keeps (7 - 1) * 9 samples
+    assert layout["decoder.model.4.block.4.block.1"][0] == (4, 54)
+    # decoder transposed conv (k = 2 stride) keeps a stride-long overlap tail
+    assert layout["decoder.model.1.block.1"][0] == (32, 8)
+    st = dec.new_state(3)
+    assert all(v.shape[0] == 3 for v in st.tensors.values())
+    assert st.batch_size == 3
