@@ -96,20 +96,8 @@ _QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# S1 tiktoken pattern.  The lookahead is escaped on purpose (it matches a
-# literal "?!"): this is what the S1 model was trained with.
-S1_TIKTOKEN_PATTERN = "|".join(
-    [
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)",
-        r"\p{P}",
-        r"[^\r\n\p{L}\p{N}]?\p{L}+",
-        r"\p{N}",
-        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-        r"\s*[\r\n]+",
-        r"\s+(\?!\S)",
-        r"\s+",
-    ]
-)
+# S1 tiktoken pattern (with its escaped-lookahead quirk): the tokenizer's own.
+from .text.tokenizer import S1_TIKTOKEN_PATTERN  # noqa: E402
 
 # Hyper-parameters of the tiny codec (the golden `codec_tiny` values).
 TINY_CODEC_CONFIG: dict = {
