@@ -80,11 +80,14 @@ class TTS:
         session = build_session(self.family, self.tokenizer, text, references or [], chunk_length)
         noise = None if params.greedy else make_noise(self.model, seed, fidelity)
         results: list[GenerationResult] = []
+        frames = 0  # the request's frame index keys its noise across text batches
         while not session.done():
             res = generate(self.model, session.grid(), params, self.tokenizer.im_end_id,
-                           max_new_tokens=max_new_tokens, noise=noise, fidelity=fidelity)
+                           max_new_tokens=max_new_tokens, seed=seed, frame_offset=frames,
+                           noise=noise, fidelity=fidelity)
             session.commit(res.codes)
             results.append(res)
+            frames += res.columns.shape[1]
         t1 = time.perf_counter()
         codes = np.concatenate([r.codes for r in results], axis=1) if results else np.zeros((10, 0), np.int64)
         audio = self.decode(codes)

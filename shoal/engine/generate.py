@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from ..model.dualar import DualAR
-from .sampling import (NoiseSource, SamplingParams, apply_repetition_penalty, race,
-                       s1_logits_to_probs, sample_s2)
+from .sampling import (BatchSampling, NoiseSource, SamplingParams, apply_repetition_penalty, race,
+                       residual_code, s1_logits_to_probs, s1_main_token, s2_main_token, sample_s2)
 
 
 class PromptTooLongError(ValueError):
@@ -99,10 +99,7 @@ class _S1Windows:
         return self._window(C1, device)[k + 1][None, :]
 
 
-def generate_frames(model: DualAR, grid: Tensor | np.ndarray, params: SamplingParams,
-                    im_end_id: int, max_new_tokens: int = 0, noise: NoiseSource | None = None,
-                    fidelity: Fidelity = Fidelity()) -> Iterator[Tensor]:
-    """Yield generated columns ([1 + C] int64) one frame at a time, the im_end column last."""
+def _check_prompt(model: DualAR, grid: Tensor | np.ndarray, max_new_tokens: int) -> tuple[Tensor, int]:
     cfg = model.config
     C = cfg.num_codebooks
     grid = torch.as_tensor(np.asarray(grid), dtype=torch.long, device=model.device)
@@ -114,10 +111,95 @@ def generate_frames(model: DualAR, grid: Tensor | np.ndarray, params: SamplingPa
             f"prompt has {T} tokens but the model context is {cfg.max_seq_len}; "
             "use shorter references or text")
     budget = cfg.max_seq_len - T
-    steps = budget if not max_new_tokens else min(max_new_tokens, budget)
+    return grid, (budget if not max_new_tokens else min(max_new_tokens, budget))
+
+
+def _uses_engine_sampler(fidelity: Fidelity) -> bool:
+    return fidelity == Fidelity(drop_last_frame=fidelity.drop_last_frame)
+
+
+def generate_frames(model: DualAR, grid: Tensor | np.ndarray, params: SamplingParams,
+                    im_end_id: int, max_new_tokens: int = 0, *, seed: int = 0,
+                    frame_offset: int = 0, noise: NoiseSource | None = None,
+                    fidelity: Fidelity = Fidelity()) -> Iterator[Tensor]:
+    """Yield generated columns ([1 + C] int64) one frame at a time, the im_end column last.
+
+    With shoal's defaults the frame is sampled exactly as the batched engine samples it
+    (allowed-token head, counter-based noise keyed on ``seed`` and the request's frame index
+    ``frame_offset + step``), so a seeded request gives the same codes here and in the engine.
+    Any reference quirk in ``fidelity`` switches to the reference sampler (per-request torch
+    generator ``noise``, full-vocabulary logits).
+    """
     params.validate()
-    if noise is None and not params.greedy:
-        raise ValueError("sampling needs a NoiseSource (or greedy=True)")
+    if _uses_engine_sampler(fidelity):
+        yield from _frames_engine_sampler(model, grid, params, im_end_id, max_new_tokens, seed, frame_offset)
+    else:
+        if noise is None and not params.greedy:
+            noise = make_noise(model, seed, fidelity)
+        yield from _frames_reference_sampler(model, grid, params, im_end_id, max_new_tokens, noise, fidelity)
+
+
+def _frames_engine_sampler(model: DualAR, grid: Tensor | np.ndarray, params: SamplingParams,
+                           im_end_id: int, max_new_tokens: int, seed: int,
+                           frame_offset: int) -> Iterator[Tensor]:
+    cfg = model.config
+    C = cfg.num_codebooks
+    grid, steps = _check_prompt(model, grid, max_new_tokens)
+    T = grid.shape[1]
+    dev = model.device
+    s1 = cfg.family == "s1"
+    if getattr(model, "allowed_ids", None) is None or int(model.allowed_ids[-1]) != im_end_id:
+        model.set_allowed_tokens([im_end_id])
+    n_sem = cfg.codebook_size
+    n_res = cfg.residual_codebook_size
+    bs = BatchSampling.from_params([params], [seed], dev)
+    slow_cache = model.new_slow_cache(1, T + steps)
+    fast_cache = model.new_fast_cache(1)
+    win = 16 if s1 else max(params.ras_window, 1)
+    main_hist = torch.full((1, win), -1, dtype=torch.long, device=dev)  # allowed-space indices
+    code_hist = torch.full((C, 1, win), -1, dtype=torch.long, device=dev)  # S1 penalty windows
+    x = grid[None]
+    pos = torch.arange(T, device=dev)[None]
+    with torch.inference_mode():
+        for step in range(steps):
+            frame = torch.full((1,), frame_offset + step, dtype=torch.long, device=dev)
+            slow_cache.bind(pos)
+            out = model.forward_slow(x, pos, slow_cache, head="allowed")
+            if s1:
+                window = main_hist if step > 0 else main_hist[:, :0]
+                idx = s1_main_token(out.logits, bs, frame, window)
+            else:
+                idx = s2_main_token(out.logits, bs, frame, main_hist, n_sem)
+            tok = model.allowed_ids[idx]
+            code0 = torch.where(idx < n_sem, idx, torch.zeros_like(idx))
+            codes = [code0]
+            fast_cache.bind(torch.zeros(1, 1, dtype=torch.long, device=dev))
+            model.forward_fast(out.fast_input, 0, fast_cache, n_out=0)
+            e = model.fast_embeddings(code0)
+            for k in range(1, C):
+                fast_cache.bind(torch.full((1, 1), k, dtype=torch.long, device=dev))
+                fl = model.forward_fast(e, k, fast_cache, n_out=n_res)
+                ck = residual_code(fl, bs, frame, k, cfg.family, code_hist[k] if (s1 and step > 0) else None)
+                codes.append(ck)
+                e = model.fast_embeddings(ck)
+            column = torch.cat([tok.view(1)] + [c.view(1) for c in codes]).long()
+            yield column
+            if int(tok) == im_end_id:
+                return
+            if step > 0:  # the prefill frame never enters a repetition window
+                main_hist = torch.cat([main_hist[:, 1:], idx.view(1, 1)], dim=1)
+                code_hist = torch.cat([code_hist[:, :, 1:], column[1:].view(C, 1, 1)], dim=2)
+            x = column.view(1, C + 1, 1)
+            pos = torch.full((1, 1), T + step, dtype=torch.long, device=dev)
+
+
+def _frames_reference_sampler(model: DualAR, grid: Tensor | np.ndarray, params: SamplingParams,
+                              im_end_id: int, max_new_tokens: int, noise: NoiseSource | None,
+                              fidelity: Fidelity) -> Iterator[Tensor]:
+    cfg = model.config
+    C = cfg.num_codebooks
+    grid, steps = _check_prompt(model, grid, max_new_tokens)
+    T = grid.shape[1]
     s1 = cfg.family == "s1"
     dev = model.device
     slow_cache = model.new_slow_cache(1, T + steps)
@@ -185,13 +267,14 @@ def generate_frames(model: DualAR, grid: Tensor | np.ndarray, params: SamplingPa
 
 
 def generate(model: DualAR, grid: Tensor | np.ndarray, params: SamplingParams, im_end_id: int,
-             max_new_tokens: int = 0, noise: NoiseSource | None = None,
-             fidelity: Fidelity = Fidelity()) -> GenerationResult:
+             max_new_tokens: int = 0, *, seed: int = 0, frame_offset: int = 0,
+             noise: NoiseSource | None = None, fidelity: Fidelity = Fidelity()) -> GenerationResult:
     """Generate one text batch; returns the kept frames and every raw column."""
     t0 = time.perf_counter()
     cols: list[Tensor] = []
     prefill_s = 0.0
-    for col in generate_frames(model, grid, params, im_end_id, max_new_tokens, noise, fidelity):
+    for col in generate_frames(model, grid, params, im_end_id, max_new_tokens, seed=seed,
+                               frame_offset=frame_offset, noise=noise, fidelity=fidelity):
         if not cols:
             prefill_s = time.perf_counter() - t0
         cols.append(col)

@@ -170,3 +170,140 @@ def sample_s2(logits: Tensor, params: list[SamplingParams], noise: NoiseSource |
     q = noise.draw(logits.shape[-1]).to(probs.dtype if noise.dtype == probs.dtype else torch.float32)
     sampled = race(probs if q.dtype == probs.dtype else probs.float(), q)
     return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+
+# --------------------------------------------------------------------------- counter-based noise
+# The engine samples every row of a batch in one kernel sequence, inside CUDA graphs, so the
+# noise cannot come from per-request torch.Generators. Instead each uniform is a pure function
+# of (request seed, counter, vocabulary index): a stateless integer hash evaluated on the
+# device. The same request draws the same noise alone or in any batch, on CPU or GPU, and after
+# a preemption. counter = frame * DRAWS_PER_FRAME + draw (0: main token, 1: RAS fallback,
+# 2..10: residual codebooks 1..9).
+
+DRAWS_PER_FRAME = 16
+_M32 = 0xFFFFFFFF
+_MULT = 0x45D9F3B  # < 2^27, so products of 32-bit values stay far below 2^63
+
+
+def _mix32(x: Tensor) -> Tensor:
+    x = (((x >> 16) ^ x) * _MULT) & _M32
+    x = (((x >> 16) ^ x) * _MULT) & _M32
+    return (x >> 16) ^ x
+
+
+def hash_uniform(seed: Tensor, counter: Tensor, n: int) -> Tensor:
+    """[B, n] fp32 uniforms in (0, 1], exactly reproducible on any device.
+
+    ``seed`` and ``counter`` are int64 [B]; 24 random bits per draw, never 0.
+    """
+    s = seed.long()
+    key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(counter.long() & _M32)))
+    idx = torch.arange(n, device=seed.device, dtype=torch.long)
+    h = _mix32(key[:, None] ^ _mix32((idx[None, :] * 0x9E37 + 0x7F4A7C15) & _M32))
+    return ((h >> 8) + 1).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def hash_exponential(seed: Tensor, counter: Tensor, n: int) -> Tensor:
+    """[B, n] fp32 Exp(1) draws ``-log U`` for the exponential race."""
+    return -torch.log(hash_uniform(seed, counter, n))
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling parameters as device tensors (one row per running request)."""
+
+    temperature: Tensor  # [B] fp32
+    top_p: Tensor  # [B] fp32
+    top_k: Tensor  # [B] int64
+    greedy: Tensor  # [B] bool
+    ras_temperature: Tensor  # [B] fp32
+    ras_top_p: Tensor  # [B] fp32
+    ras_window: Tensor  # [B] int64 (0 disables RAS)
+    repetition_penalty: Tensor  # [B] fp32 (S1)
+    seed: Tensor  # [B] int64
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], seeds: list[int],
+                    device: torch.device | str = "cpu") -> "BatchSampling":
+        def t(vals, dtype):
+            return torch.tensor(vals, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t([p.temperature for p in params], torch.float32),
+            top_p=t([p.top_p for p in params], torch.float32),
+            top_k=t([p.top_k for p in params], torch.long),
+            greedy=t([p.greedy for p in params], torch.bool),
+            ras_temperature=t([p.ras_temperature for p in params], torch.float32),
+            ras_top_p=t([p.ras_top_p for p in params], torch.float32),
+            ras_window=t([p.ras_window for p in params], torch.long),
+            repetition_penalty=t([p.repetition_penalty for p in params], torch.float32),
+            seed=t([int(s) & ((1 << 63) - 1) for s in seeds], torch.long),
+        )
+
+    def fields(self) -> dict[str, Tensor]:
+        return dict(self.__dict__)
+
+    def copy_(self, other: "BatchSampling", rows: int) -> None:
+        """Copy ``other`` (B' <= capacity rows) into the first rows of this fixed-address buffer."""
+        for name, dst in self.__dict__.items():
+            dst[:rows].copy_(getattr(other, name))
+
+    @classmethod
+    def empty(cls, capacity: int, device: torch.device | str) -> "BatchSampling":
+        return cls.from_params([SamplingParams(greedy=True)] * capacity, [0] * capacity, device)
+
+
+def sample_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, greedy: Tensor,
+                q: Tensor) -> Tensor:
+    """The S2 rule for a batch with per-row parameters and given race noise ``q`` [B, V].
+
+    Greedy rows take the first argmax of the logits. Parameters are rounded to the logits dtype
+    like the reference's model-dtype tensors. No host synchronisation.
+    """
+    probs = logits_to_probs(logits, temperature, top_p, top_k)
+    sampled = torch.argmax(probs.float() / q, dim=-1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+
+def s2_main_token(logits: Tensor, bs: BatchSampling, frame: Tensor, window: Tensor,
+                  semantic_count: int) -> Tensor:
+    """Main token over the *allowed* logits [B, A] (A = semantic ids then <|im_end|>), with RAS.
+
+    ``window`` [B, W] holds allowed-space indices of each row's last main tokens (-1 = empty),
+    newest last; only the last ``ras_window`` entries of a row count. Returns allowed-space
+    indices [B]. Two draws per frame (normal, RAS fallback), as in the reference.
+    """
+    A = logits.shape[-1]
+    counter = frame * DRAWS_PER_FRAME
+    normal = sample_rows(logits, bs.temperature, bs.top_p, bs.top_k, bs.greedy,
+                         hash_exponential(bs.seed, counter, A))
+    high = sample_rows(logits, bs.ras_temperature, bs.ras_top_p, bs.top_k, bs.greedy,
+                       hash_exponential(bs.seed, counter + 1, A))
+    W = window.shape[1]
+    live = torch.arange(W, device=window.device)[None, :] >= (W - bs.ras_window)[:, None]
+    repeated = ((window == normal[:, None]) & live).any(dim=1)
+    use_high = repeated & (normal < semantic_count) & ~bs.greedy
+    return torch.where(use_high, high, normal)
+
+
+def s1_main_token(logits: Tensor, bs: BatchSampling, frame: Tensor, window: Tensor) -> Tensor:
+    """S1 main token over allowed logits [B, A] with the repetition penalty at ``window``
+    (allowed-space ids, -1 = empty), top-p and temperature; no top-k. Returns allowed indices."""
+    A = logits.shape[-1]
+    penalised = apply_repetition_penalty(logits, bs.repetition_penalty, window)
+    probs = s1_logits_to_probs(penalised, bs.temperature, bs.top_p, 1.0, None)
+    q = hash_exponential(bs.seed, frame * DRAWS_PER_FRAME, A)
+    sampled = torch.argmax(probs.float() / q, dim=-1)
+    return torch.where(bs.greedy, torch.argmax(penalised, dim=-1), sampled)
+
+
+def residual_code(logits: Tensor, bs: BatchSampling, frame: Tensor, k: int, family: str,
+                  window: Tensor | None = None) -> Tensor:
+    """Code of residual codebook ``k`` (1..9) from fast logits already cut to the valid entries."""
+    n = logits.shape[-1]
+    q = hash_exponential(bs.seed, frame * DRAWS_PER_FRAME + 1 + k, n)
+    if family == "s1":
+        penalised = apply_repetition_penalty(logits, bs.repetition_penalty, window)
+        probs = s1_logits_to_probs(penalised, bs.temperature, bs.top_p, 1.0, None)
+        return torch.where(bs.greedy, torch.argmax(penalised, dim=-1), torch.argmax(probs.float() / q, dim=-1))
+    return sample_rows(logits, bs.temperature, bs.top_p, bs.top_k, bs.greedy, q)

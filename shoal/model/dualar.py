@@ -21,7 +21,7 @@ from .static_cache import StaticKVCache
 
 @dataclass
 class SlowOutput:
-    logits: Tensor  # [B, vocab] at each row's last position (unconstrained)
+    logits: Tensor | None  # [B, vocab] ("full") or [B, A] ("allowed") at each row's last position
     fast_input: Tensor  # [B, dim]: hidden state that seeds the fast transformer
     hidden: Tensor  # [B, S, dim]: pre-norm residual stream (for tests / debugging)
 
@@ -99,11 +99,28 @@ class DualAR(nn.Module):
             return nn.functional.linear(normed, self.embeddings.weight)
         return self.output(normed)
 
+    def set_allowed_tokens(self, extra_ids: list[int]) -> None:
+        """Precompute the head rows of the tokens the main token may take: the semantic ids, then
+        ``extra_ids`` (``<|im_end|>``). Logits over these A rows equal the full logits masked to
+        them, at a fraction of the head's cost (S2: 4,097 of 155,776 rows)."""
+        c = self.config
+        ids = torch.cat([torch.arange(c.semantic_begin_id, c.semantic_end_id + 1),
+                         torch.tensor(extra_ids, dtype=torch.long)]).to(self.device)
+        weight = self.embeddings.weight if c.tie_word_embeddings else self.output.weight
+        self.register_buffer("allowed_ids", ids, persistent=False)
+        self.register_buffer("allowed_head", weight[ids].contiguous(), persistent=False)
+
+    def allowed_logits(self, normed: Tensor) -> Tensor:
+        if not hasattr(self, "allowed_head"):
+            raise RuntimeError("call set_allowed_tokens() first")
+        return nn.functional.linear(normed, self.allowed_head)
+
     def forward_slow(self, grid: Tensor, positions: Tensor, backend: AttentionBackend,
-                     last_index: Tensor | None = None) -> SlowOutput:
+                     last_index: Tensor | None = None, head: str | None = "full") -> SlowOutput:
         """grid [B, 1+C, S], positions [B, S]; the backend must already be bound to positions.
 
         ``last_index`` [B] selects the position (within S) whose logits are returned; default S-1.
+        ``head``: "full" (whole vocabulary), "allowed" (see :meth:`set_allowed_tokens`) or None.
         """
         x = self.embed(grid)
         cos_sin = self.slow_rope[positions]
@@ -115,16 +132,26 @@ class DualAR(nn.Module):
         else:
             last = x[torch.arange(B, device=x.device), last_index]
         normed = self.norm(last)
-        logits = self.slow_head(normed)
+        if head == "full":
+            logits = self.slow_head(normed)
+        elif head == "allowed":
+            logits = self.allowed_logits(normed)
+        else:
+            logits = None
         fast_in = normed if self.config.norm_fastlayer_input else last
         return SlowOutput(logits=logits, fast_input=fast_in, hidden=x)
 
     # ----------------------------------------------------------------- fast
-    def forward_fast(self, x: Tensor, position: int, backend: AttentionBackend) -> Tensor:
+    def forward_fast(self, x: Tensor, position: int, backend: AttentionBackend,
+                     n_out: int | None = None) -> Tensor | None:
         """x [B, dim] at codebook position ``position`` (0 = the slow hidden state) -> logits
-        [B, codebook_size]. The backend must be bound to positions ``[[position]] * B``."""
+        [B, n_out] (the first ``n_out`` codes; default all; 0 skips the head and returns None).
+        The backend must be bound to positions ``[[position]] * B``."""
         h = x.unsqueeze(1)
         cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
         for i, layer in enumerate(self.fast_layers):
             h = layer(h, cos_sin, backend, i)
-        return self.fast_output(self.fast_norm(h[:, 0]))
+        if n_out == 0:
+            return None
+        w = self.fast_output.weight if n_out is None else self.fast_output.weight[:n_out]
+        return nn.functional.linear(self.fast_norm(h[:, 0]), w)
