@@ -1,0 +1,115 @@
+"""Attention backends over the engine's caches (see ``AttentionBackend`` in model/layers.py).
+
+- :class:`PagedDecodeBackend`: one query per sequence over the paged KV cache; writes the new
+  K/V through a slot mapping and attends with the paged decode kernel (Triton on GPU, PyTorch
+  reference on CPU). Shapes are fixed per batch bucket and nothing syncs with the host, so the
+  whole decode step can be captured in a CUDA graph.
+- :class:`PagedPrefillBackend`: a chunk of one sequence's prompt, attending over its cached
+  prefix plus the chunk (causal).
+- :class:`FastCacheBackend`: the fast transformer's 10-slot cache, one row per batch row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels.paged_attention import paged_decode_attention
+
+
+class PagedKVCache:
+    """K/V storage for every slow layer: [layers, 2, num_blocks, block_size, H_kv, D]."""
+
+    def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.data = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def k(self, layer: int) -> Tensor:
+        return self.data[layer, 0]
+
+    def v(self, layer: int) -> Tensor:
+        return self.data[layer, 1]
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """k/v [N, H_kv, D] into flat slots [N] (block * block_size + offset)."""
+        kf = self.data[layer, 0].view(-1, *k.shape[1:])
+        vf = self.data[layer, 1].view(-1, *v.shape[1:])
+        kf.index_copy_(0, slots, k)
+        vf.index_copy_(0, slots, v)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class PagedDecodeBackend:
+    def __init__(self, cache: PagedKVCache, n_heads: int, head_dim: int) -> None:
+        self.cache = cache
+        self.scale = head_dim ** -0.5
+        self.slots: Tensor | None = None
+        self.block_tables: Tensor | None = None
+        self.context_lens: Tensor | None = None
+
+    def set(self, slots: Tensor, block_tables: Tensor, context_lens: Tensor) -> None:
+        self.slots, self.block_tables, self.context_lens = slots, block_tables, context_lens
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.cache.write(layer, self.slots, k[:, 0], v[:, 0])
+        out = paged_decode_attention(q[:, 0], self.cache.k(layer), self.cache.v(layer),
+                                     self.block_tables, self.context_lens, self.scale)
+        return out[:, None]
+
+
+class PagedPrefillBackend:
+    def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int) -> None:
+        self.cache = cache
+        self.group = n_heads // n_kv_heads
+        self.slots: Tensor | None = None
+        self.blocks: Tensor | None = None
+        self.mask: Tensor | None = None
+        self.ctx = 0
+
+    def set(self, slots: Tensor, blocks: Tensor, start: int, end: int) -> None:
+        """Chunk = positions [start, end) of a sequence whose blocks are ``blocks``."""
+        self.slots, self.blocks, self.ctx = slots, blocks, end
+        keys = torch.arange(end, device=slots.device)
+        queries = torch.arange(start, end, device=slots.device)
+        self.mask = (keys[None, :] <= queries[:, None])[None, None]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.cache.write(layer, self.slots, k[0], v[0])
+        kc = self.cache.k(layer)[self.blocks].flatten(0, 1)[: self.ctx]  # [ctx, H_kv, D]
+        vc = self.cache.v(layer)[self.blocks].flatten(0, 1)[: self.ctx]
+        kc = kc.transpose(0, 1)[None]
+        vc = vc.transpose(0, 1)[None]
+        if self.group > 1:
+            kc = kc.repeat_interleave(self.group, dim=1)
+            vc = vc.repeat_interleave(self.group, dim=1)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=self.mask)
+        return y.transpose(1, 2)
+
+
+class FastCacheBackend:
+    """Per-row K/V for codebook positions 0..C-1; position set per call (a Python int)."""
+
+    def __init__(self, n_layers: int, rows: int, length: int, n_heads: int, n_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k = torch.zeros(n_layers, rows, length, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.group = n_heads // n_kv_heads
+        self.position = 0
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, p = q.shape[0], self.position
+        self.k[layer, :B, p] = k[:, 0]
+        self.v[layer, :B, p] = v[:, 0]
+        kc = self.k[layer, :B, : p + 1].transpose(1, 2)
+        vc = self.v[layer, :B, : p + 1].transpose(1, 2)
+        if self.group > 1:
+            kc = kc.repeat_interleave(self.group, dim=1)
+            vc = vc.repeat_interleave(self.group, dim=1)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc).transpose(1, 2)

@@ -1,0 +1,263 @@
+"""The continuous-batching engine: requests in, frames / audio / summaries out.
+
+:class:`Engine` is synchronous: ``add_request`` then call ``step`` until idle; each step
+admits, prefills (chunked) and decodes one frame for every running request. The
+:class:`AsyncEngine` in ``async_engine.py`` runs it on its own thread, so it owns the device and
+callers never block on it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.dualar import DualAR
+from .audio import AudioStreamer, ChunkSchedule
+from .kv_cache import BlockPool
+from .request import AudioEvent, EngineRequest, Event, FinishEvent, FramesEvent, Status
+from .runner import ModelRunner, RunnerConfig
+from .scheduler import Scheduler
+
+
+@dataclass
+class EngineConfig:
+    max_running: int | None = None  # default 128 on CUDA, 16 on CPU
+    block_size: int = 16
+    num_blocks: int | None = None  # default: from kv_memory_fraction on CUDA; enough on CPU
+    kv_memory_fraction: float = 0.85  # of the memory free after weights (CUDA)
+    prefill_chunk: int = 1024  # prompt tokens per step
+    cuda_graphs: bool = True
+    enable_prefix_cache: bool = True
+    max_seq_len: int | None = None  # cap the context (default: the model's)
+    audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
+
+
+class Engine:
+    def __init__(self, model: DualAR, im_end_id: int, codec=None,
+                 config: EngineConfig | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.model = model
+        self.im_end_id = im_end_id
+        dev = model.device
+        on_cuda = dev.type == "cuda"
+        max_running = cfg.max_running or (128 if on_cuda else 16)
+        self.max_seq_len = min(cfg.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
+        max_blocks_per_seq = -(-self.max_seq_len // cfg.block_size)
+        num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
+        self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
+        self.runner = ModelRunner(model, im_end_id, RunnerConfig(
+            max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
+            max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda))
+        self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
+        self.audio = AudioStreamer(codec, max_running, cfg.audio_schedule) if codec is not None else None
+        self.requests: dict[str, EngineRequest] = {}
+        self.max_running = max_running
+        self.stats = {"steps": 0, "frames": 0, "prefill_tokens": 0, "preemptions": 0,
+                      "finished": 0, "decode_s": 0.0, "prefill_s": 0.0, "audio_s": 0.0}
+        self._last_block_count: dict[str, int] = {}
+
+    def _auto_blocks(self, max_running: int, max_blocks_per_seq: int) -> int:
+        cfg = self.config
+        s = self.model.config.slow
+        per_block = 2 * s.n_layer * cfg.block_size * s.n_local_heads * s.head_dim * self.model.dtype.itemsize
+        if self.model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            reserve = 4 << 30  # activations, graphs, codec
+            return max(int((free - reserve) * cfg.kv_memory_fraction) // per_block, 2 * max_blocks_per_seq)
+        # CPU: room for every slot at 1/4 of the context, capped at 256 MiB
+        want = max_running * max(max_blocks_per_seq // 4, 4)
+        return max(min(want, (256 << 20) // per_block), max_blocks_per_seq + 1)
+
+    def warmup(self, show_progress: bool = True) -> None:
+        self.runner.capture_graphs(show_progress)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, req: EngineRequest) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id}")
+        req.params.validate()
+        if req.params.ras_window > 16:
+            raise ValueError("ras_window must be <= 16")
+        if req.stream_audio and self.audio is None:
+            raise ValueError("audio streaming needs an engine with a codec")
+        self._start_batch(req)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def _start_batch(self, req: EngineRequest) -> None:
+        grid = req.session.grid()
+        T = grid.shape[1]
+        if T >= self.max_seq_len:
+            raise ValueError(f"prompt has {T} tokens but the context is {self.max_seq_len}")
+        room = self.max_seq_len - T
+        req.grid = grid
+        req.prompt_len = T
+        req.budget = room if not req.max_new_tokens else min(req.max_new_tokens, room)
+        req.new_columns = []
+        req.ras_window = []
+        req.num_computed = 0
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ------------------------------------------------------------------ helpers
+    def _sequence(self, req: EngineRequest) -> np.ndarray:
+        """Grid columns to prefill: the prompt (fresh batch) or prompt + generated columns minus
+        the last one, which is the next decode input (resume after preemption)."""
+        if not req.new_columns:
+            return req.grid
+        gen = np.stack(req.new_columns, axis=1)
+        return np.concatenate([req.grid, gen[:, :-1]], axis=1)
+
+    def _sync_blocks(self, req: EngineRequest) -> None:
+        table = self.pool.block_table(req.request_id)
+        known = self._last_block_count.get(req.request_id, -1)
+        if known == -1 or len(table) < known:
+            self.runner.set_block_table(req.slot, table)
+        else:
+            for i in range(known, len(table)):
+                self.runner.set_block(req.slot, i, table[i])
+        self._last_block_count[req.request_id] = len(table)
+
+    def _finish(self, req: EngineRequest, reason: str, events: list[Event], error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        self._last_block_count.pop(req.request_id, None)
+        self.requests.pop(req.request_id, None)
+        req.status = Status.FINISHED
+        req.finish_time = time.perf_counter()
+        if self.audio is not None and req.stream_audio:
+            if reason in ("cancelled", "error"):
+                self.audio.release(req.request_id)
+            else:
+                pcm = self.audio.finish(req.request_id)
+                if pcm is not None and len(pcm):
+                    events.append(AudioEvent(req.request_id, pcm, self.audio.sample_rate))
+        codes = np.concatenate(req.all_codes, axis=1) if req.all_codes else np.zeros((10, 0), np.int64)
+        timings = {"queued_to_first_frame_s": (req.first_frame_time or req.finish_time) - req.arrival,
+                   "total_s": req.finish_time - req.arrival, "frames": float(codes.shape[1]),
+                   "preemptions": float(req.preemptions)}
+        if req.first_audio_time is not None:
+            timings["first_audio_s"] = req.first_audio_time - req.arrival
+        self.stats["finished"] += 1
+        events.append(FinishEvent(req.request_id, reason, codes, timings, error))
+
+    def _on_column(self, req: EngineRequest, col: np.ndarray, first_of_batch: bool,
+                   events: list[Event]) -> None:
+        """Book-keep one generated column; may end the text batch or the request."""
+        now = time.perf_counter()
+        if req.first_frame_time is None:
+            req.first_frame_time = now
+        req.new_columns.append(col)
+        req.frames_total += 1
+        eos = int(col[0]) == self.im_end_id
+        if not eos:
+            self.stats["frames"] += 1
+            if not first_of_batch:
+                req.ras_window.append(int(col[0]) - self.model.config.semantic_begin_id)
+            frame = col[1:, None].astype(np.int64)
+            events.append(FramesEvent(req.request_id, frame, req.batch_index))
+            if self.audio is not None and req.stream_audio:
+                self.audio.push(req.request_id, frame)
+        if eos or len(req.new_columns) >= req.budget:
+            kept = [c for c in req.new_columns if int(c[0]) != self.im_end_id]
+            codes = np.stack(kept, axis=1)[1:] if kept else np.zeros((10, 0), np.int64)
+            req.all_codes.append(codes)
+            req.session.commit(codes)
+            if req.session.done():
+                self._finish(req, "eos" if eos else "length", events)
+            else:  # next text batch: its prompt extends this one, so the prefix cache hits
+                self.scheduler.remove(req)
+                self._last_block_count.pop(req.request_id, None)
+                req.batch_index += 1
+                self._start_batch(req)
+                self.scheduler.add(req)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        for req in [r for r in self.requests.values() if r.cancelled]:
+            self._finish(req, "cancelled", events)
+        plan = self.scheduler.schedule(self._sequence)
+        self.stats["preemptions"] += len(plan.preempted)
+        for req in plan.preempted:
+            self._last_block_count.pop(req.request_id, None)
+        runner = self.runner
+        t0 = time.perf_counter()
+        for req, start, end in plan.prefill:
+            seq = self._sequence(req)
+            fresh = not req.new_columns
+            final = end == seq.shape[1]
+            if start == 0 or req.request_id not in self._last_block_count:
+                runner.assign_slot(req.slot, req.params, req.seed)
+                runner.frame[req.slot] = req.frames_total
+            self._sync_blocks(req)
+            blocks = self.pool.block_table(req.request_id)
+            with torch.inference_mode():
+                col = runner.prefill_chunk(req.slot, seq, start, end, blocks, sample=final and fresh)
+            if end > start:
+                self.pool.commit_tokens(req.request_id, seq[:, start:end])
+            self.stats["prefill_tokens"] += end - start
+            req.num_computed = end
+            if not final:
+                continue
+            req.status = Status.DECODE
+            if fresh:
+                col_np = col.cpu().numpy()
+                runner.set_decode_state(req.slot, col_np, seq.shape[1], req.frames_total + 1, [], None)
+                self._on_column(req, col_np, True, events)
+            else:
+                gen = np.stack(req.new_columns, axis=1)
+                hist = gen[1:, 1:] if gen.shape[1] > 1 else None
+                runner.set_decode_state(req.slot, gen[:, -1], seq.shape[1], req.frames_total,
+                                        req.ras_window, hist)
+        t1 = time.perf_counter()
+        decode = [r for r in plan.decode if r.status is Status.DECODE and r.request_id in self.requests
+                  and r.slot is not None]
+        if decode:
+            for req in decode:
+                self._sync_blocks(req)
+            cols = runner.decode([r.slot for r in decode])
+            for req, col in zip(decode, cols):
+                self.pool.commit_tokens(req.request_id, req.new_columns[-1][:, None])
+                self._on_column(req, col, False, events)
+        t2 = time.perf_counter()
+        if self.audio is not None:
+            events.extend(self._audio_events())
+        t3 = time.perf_counter()
+        self.stats["steps"] += 1
+        self.stats["prefill_s"] += t1 - t0
+        self.stats["decode_s"] += t2 - t1
+        self.stats["audio_s"] += t3 - t2
+        return events
+
+    def _audio_events(self) -> list[Event]:
+        out: list[Event] = []
+        now = time.perf_counter()
+        for rid, pcm in self.audio.decode_ready():
+            req = self.requests.get(rid)
+            if req is not None and req.first_audio_time is None:
+                req.first_audio_time = now
+            out.append(AudioEvent(rid, pcm, self.audio.sample_rate))
+        return out
+
+    def run_until_done(self) -> list[Event]:
+        events: list[Event] = []
+        while self.has_work():
+            events.extend(self.step())
+        return events

@@ -1,0 +1,246 @@
+"""The model runner: owns the device state of every running request and executes steps.
+
+Per-request decode state lives in *slots* of fixed-address device tensors (last column,
+position, frame counter, repetition windows, sampling parameters, block table), so a decode
+step only needs the list of slot ids: it gathers the rows, runs the slow forward over the paged
+cache, samples the main token (constrained head, RAS, counter-based noise), runs the 10-step
+fast loop for the whole batch, and scatters the new state back. The step has static shapes per
+batch bucket and no host synchronisation, so on CUDA it is captured once per bucket as a graph
+and replayed; the only per-step transfers are the slot ids in and the new columns out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from ..model.dualar import DualAR
+from .attention import FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend
+from .sampling import BatchSampling, SamplingParams, residual_code, s1_main_token, s2_main_token
+
+WINDOW = 16  # repetition window capacity (S2 RAS uses the last 10, S1 the last 16)
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+    out = [s for s in sizes if s < max_batch] + [max_batch]
+    return sorted(set(out))
+
+
+@dataclass
+class RunnerConfig:
+    max_slots: int
+    num_blocks: int
+    block_size: int
+    max_blocks_per_seq: int
+    cuda_graphs: bool
+    graph_buckets: list[int] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: DualAR, im_end_id: int, cfg: RunnerConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        mc = model.config
+        self.family = mc.family
+        self.C = mc.num_codebooks
+        self.n_sem = mc.codebook_size
+        self.n_res = mc.residual_codebook_size
+        self.im_end_id = im_end_id
+        dev, dt = model.device, model.dtype
+        self.device = dev
+        model.set_allowed_tokens([im_end_id])
+        s, f = mc.slow, mc.fast
+        # one extra block and one extra slot are scratch space for padding rows
+        self.scratch_block = cfg.num_blocks
+        self.kv = PagedKVCache(s.n_layer, cfg.num_blocks + 1, cfg.block_size, s.n_local_heads,
+                               s.head_dim, dt, dev)
+        S = cfg.max_slots + 1
+        self.scratch_slot = cfg.max_slots
+        self.last_col = torch.zeros(S, self.C + 1, dtype=torch.long, device=dev)
+        self.position = torch.zeros(S, dtype=torch.long, device=dev)
+        self.frame = torch.zeros(S, dtype=torch.long, device=dev)
+        self.window = torch.full((S, WINDOW), -1, dtype=torch.long, device=dev)
+        self.code_hist = torch.full((S, self.C, WINDOW), -1, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((S, cfg.max_blocks_per_seq), self.scratch_block,
+                                       dtype=torch.int32, device=dev)
+        self.sampling = BatchSampling.empty(S, dev)
+        self.slot_ids = torch.full((cfg.max_slots,), self.scratch_slot, dtype=torch.long, device=dev)
+        self.out_cols = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, device=dev)
+        self.decode_backend = PagedDecodeBackend(self.kv, s.n_head, s.head_dim)
+        self.prefill_backend = PagedPrefillBackend(self.kv, s.n_head, s.n_local_heads)
+        self.fast_backend = FastCacheBackend(f.n_layer, cfg.max_slots, self.C, f.n_head,
+                                             f.n_local_heads, f.head_dim, dt, dev)
+        self.pinned = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long,
+                                  pin_memory=dev.type == "cuda")
+        self.buckets = cfg.graph_buckets or default_buckets(cfg.max_slots)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+
+    # ------------------------------------------------------------------ slot state
+    def assign_slot(self, slot: int, params: SamplingParams, seed: int) -> None:
+        row = BatchSampling.from_params([params], [seed], self.device)
+        for name, dst in self.sampling.fields().items():
+            dst[slot: slot + 1].copy_(getattr(row, name))
+        self.window[slot].fill_(-1)
+        self.code_hist[slot].fill_(-1)
+
+    def set_block_table(self, slot: int, blocks: list[int]) -> None:
+        if len(blocks) > self.cfg.max_blocks_per_seq:
+            raise ValueError("sequence longer than the model context")
+        row = torch.full((self.cfg.max_blocks_per_seq,), self.scratch_block, dtype=torch.int32)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.block_tables[slot].copy_(row, non_blocking=True)
+
+    def set_block(self, slot: int, index: int, block: int) -> None:
+        self.block_tables[slot, index] = block
+
+    def set_decode_state(self, slot: int, last_col: np.ndarray, position: int, frame: int,
+                         window: list[int], code_hist: np.ndarray | None) -> None:
+        """(Re)load a request's decode state into its slot (after prefill or a preemption)."""
+        self.last_col[slot].copy_(torch.as_tensor(last_col, dtype=torch.long))
+        self.position[slot] = position
+        self.frame[slot] = frame
+        w = torch.full((WINDOW,), -1, dtype=torch.long)
+        if window:
+            tail = torch.tensor(window[-WINDOW:], dtype=torch.long)
+            w[WINDOW - len(tail):] = tail
+        self.window[slot].copy_(w)
+        h = torch.full((self.C, WINDOW), -1, dtype=torch.long)
+        if code_hist is not None and code_hist.shape[1]:
+            tail = torch.as_tensor(code_hist[:, -WINDOW:], dtype=torch.long)
+            h[:, WINDOW - tail.shape[1]:] = tail
+        self.code_hist[slot].copy_(h)
+
+    # ------------------------------------------------------------------ frame sampling
+    def _gather_sampling(self, slots: Tensor) -> BatchSampling:
+        return BatchSampling(**{k: v[slots] for k, v in self.sampling.fields().items()})
+
+    def _sample_frame(self, logits: Tensor, fast_in: Tensor, bs: BatchSampling, frame: Tensor,
+                      window: Tensor, code_hist: Tensor, use_windows: bool) -> tuple[Tensor, Tensor]:
+        """Main token + 9 residual codes for every row -> (columns [B, 1+C], allowed idx [B])."""
+        model = self.model
+        B = logits.shape[0]
+        if self.family == "s1":
+            idx = s1_main_token(logits, bs, frame, window if use_windows else window[:, :0])
+        else:
+            idx = s2_main_token(logits, bs, frame, window, self.n_sem)
+        tok = model.allowed_ids[idx]
+        code0 = torch.where(idx < self.n_sem, idx, torch.zeros_like(idx))
+        codes = [code0]
+        fb = self.fast_backend
+        fb.position = 0
+        model.forward_fast(fast_in, 0, fb, n_out=0)
+        e = model.fast_embeddings(code0)
+        for k in range(1, self.C):
+            fb.position = k
+            fl = model.forward_fast(e, k, fb, n_out=self.n_res)
+            win = code_hist[:, k] if (self.family == "s1" and use_windows) else None
+            ck = residual_code(fl, bs, frame, k, self.family, win)
+            codes.append(ck)
+            e = model.fast_embeddings(ck)
+        cols = torch.stack([tok] + codes, dim=1)
+        assert cols.shape[0] == B
+        return cols, idx
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_chunk(self, slot: int, grid: np.ndarray, start: int, end: int, blocks: list[int],
+                      sample: bool) -> Tensor | None:
+        """Compute K/V for grid columns [start, end); if ``sample``, sample the first frame from the
+        last position and return its column (device, [1 + C])."""
+        dev = self.device
+        bsz = self.cfg.block_size
+        pos = torch.arange(start, end, device=dev)
+        blk = torch.tensor(blocks, dtype=torch.long, device=dev)
+        slots = blk[pos // bsz] * bsz + pos % bsz
+        self.prefill_backend.set(slots, blk, start, end)
+        x = torch.as_tensor(grid[:, start:end], dtype=torch.long, device=dev)[None]
+        out = self.model.forward_slow(x, pos[None], self.prefill_backend,
+                                      head="allowed" if sample else None)
+        if not sample:
+            return None
+        sl = torch.tensor([slot], device=dev)
+        cols, _ = self._sample_frame(out.logits, out.fast_input, self._gather_sampling(sl),
+                                     self.frame[sl], self.window[sl], self.code_hist[sl], use_windows=False)
+        return cols[0]
+
+    # ------------------------------------------------------------------ decode
+    def _decode_body(self, B: int) -> None:
+        slots = self.slot_ids[:B]
+        bsz = self.cfg.block_size
+        cols = self.last_col[slots]
+        pos = self.position[slots]
+        bt = self.block_tables[slots]
+        block_idx = torch.div(pos, bsz, rounding_mode="floor")
+        phys = torch.gather(bt, 1, block_idx[:, None])[:, 0].long()
+        self.decode_backend.set(phys * bsz + pos % bsz, bt, (pos + 1).to(torch.int32))
+        out = self.model.forward_slow(cols[:, :, None], pos[:, None], self.decode_backend, head="allowed")
+        frame = self.frame[slots]
+        window = self.window[slots]
+        hist = self.code_hist[slots]
+        new_cols, idx = self._sample_frame(out.logits, out.fast_input, self._gather_sampling(slots),
+                                           frame, window, hist, use_windows=True)
+        self.last_col[slots] = new_cols
+        self.position[slots] = pos + 1
+        self.frame[slots] = frame + 1
+        self.window[slots] = torch.cat([window[:, 1:], idx[:, None]], dim=1)
+        self.code_hist[slots] = torch.cat([hist[:, :, 1:], new_cols[:, 1:, None]], dim=2)
+        # padding rows all point at the scratch slot: keep its position inside its block table
+        self.position[self.scratch_slot] = 0
+        self.out_cols[:B] = new_cols
+
+    def bucket_for(self, n: int) -> int:
+        i = bisect.bisect_left(self.buckets, n)
+        if i == len(self.buckets):
+            raise ValueError(f"batch {n} exceeds max_slots {self.cfg.max_slots}")
+        return self.buckets[i]
+
+    def decode(self, slots: list[int]) -> np.ndarray:
+        """One decode step for the requests in ``slots``; returns their new columns [n, 1 + C]."""
+        n = len(slots)
+        B = self.bucket_for(n) if self.graphs or self.cfg.cuda_graphs else n
+        ids = torch.full((B,), self.scratch_slot, dtype=torch.long)
+        ids[:n] = torch.tensor(slots, dtype=torch.long)
+        self.slot_ids[:B].copy_(ids, non_blocking=True)
+        graph = self.graphs.get(B)
+        with torch.inference_mode():
+            if graph is not None:
+                graph.replay()
+            else:
+                self._decode_body(B)
+            out = self.pinned[:n]
+            out.copy_(self.out_cols[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return out.numpy().copy()
+
+    def capture_graphs(self, show_progress: bool = True) -> None:
+        """Capture one CUDA graph of the decode step per batch bucket (largest first)."""
+        if self.device.type != "cuda" or not self.cfg.cuda_graphs:
+            return
+        saved = {k: v.clone() for k, v in (("pos", self.position), ("frame", self.frame))}
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        buckets = sorted(self.buckets, reverse=True)
+        with torch.inference_mode():
+            self.slot_ids.fill_(self.scratch_slot)
+            # warm up (Triton autotune / compile, cuBLAS handles) outside capture
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for B in buckets[:1] + buckets[-1:]:
+                    self._decode_body(B)
+            torch.cuda.current_stream().wait_stream(s)
+            for B in tqdm(buckets, desc="capturing CUDA graphs", file=sys.stderr, disable=not show_progress):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.graph_pool):
+                    self._decode_body(B)
+                self.graphs[B] = g
+        torch.cuda.synchronize()
+        self.position.copy_(saved["pos"])
+        self.frame.copy_(saved["frame"])

@@ -1,0 +1,142 @@
+"""Scheduler: who is admitted, who prefills how much, who decodes, who is preempted.
+
+Every step:
+1. admit waiting requests (most urgent priority first, then arrival) while a slot and KV
+   blocks are free; a request that does not fit may preempt a running request of a *less*
+   urgent class;
+2. give the prefill token budget to admitted requests in admission order (chunked prefill, so
+   a long prompt never stalls the decode batch for more than one chunk);
+3. decode every request whose prompt is computed; when the pool cannot grow a sequence by one
+   token, preempt the least urgent, most recent request (its KV is freed; it is recomputed
+   from its prompt + generated columns later, with its sampling state intact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockPool, NoFreeBlocks
+from .request import EngineRequest, Status
+
+
+@dataclass
+class StepPlan:
+    prefill: list[tuple[EngineRequest, int, int]] = field(default_factory=list)  # (req, start, end)
+    decode: list[EngineRequest] = field(default_factory=list)
+    preempted: list[EngineRequest] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_running: int, prefill_chunk: int) -> None:
+        self.pool = pool
+        self.max_running = max_running
+        self.prefill_chunk = prefill_chunk
+        self.waiting: list[EngineRequest] = []
+        self.running: list[EngineRequest] = []  # admitted (prefill or decode), admission order
+        self.free_slots = list(range(max_running - 1, -1, -1))
+
+    # ------------------------------------------------------------------ queues
+    def add(self, req: EngineRequest) -> None:
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def remove(self, req: EngineRequest) -> None:
+        """Drop a request from the queues and release its slot and blocks."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: EngineRequest) -> None:
+        if req.request_id in self.pool:
+            self.pool.free(req.request_id)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+
+    @staticmethod
+    def _urgency(req: EngineRequest) -> tuple[int, float]:
+        return (int(req.priority), req.arrival)
+
+    def preempt(self, req: EngineRequest) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.preemptions += 1
+        self.waiting.append(req)
+
+    def _victim(self, worse_than: EngineRequest | None) -> EngineRequest | None:
+        """The least urgent, most recently arrived running request (strictly less urgent than
+        ``worse_than`` when given)."""
+        cands = self.running
+        if worse_than is not None:
+            cands = [r for r in cands if int(r.priority) > int(worse_than.priority)]
+        if not cands:
+            return None
+        return max(cands, key=lambda r: (int(r.priority), r.arrival))
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self, sequence_of: Callable[[EngineRequest], "object"]) -> StepPlan:
+        """``sequence_of(req)`` gives the grid columns to prefill (np.ndarray [11, T])."""
+        plan = StepPlan()
+        # 1. admission
+        self.waiting.sort(key=self._urgency)
+        while self.waiting:
+            req = self.waiting[0]
+            if not self.free_slots:
+                victim = self._victim(req)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                plan.preempted.append(victim)
+                self.waiting.sort(key=self._urgency)
+                continue
+            seq = sequence_of(req)
+            try:
+                match = self.pool.allocate_prompt(req.request_id, seq)
+            except NoFreeBlocks:
+                victim = self._victim(req)
+                if victim is None:
+                    break
+                self.preempt(victim)
+                plan.preempted.append(victim)
+                self.waiting.sort(key=self._urgency)
+                continue
+            self.waiting.pop(0)
+            req.slot = self.free_slots.pop()
+            req.num_computed = match.num_cached_tokens
+            req.status = Status.PREFILL
+            self.running.append(req)
+
+        # 2. chunked prefill
+        budget = self.prefill_chunk
+        for req in self.running:
+            if req.status is not Status.PREFILL or budget <= 0:
+                continue
+            target = sequence_of(req).shape[1]
+            n = min(budget, target - req.num_computed)
+            if n > 0:
+                plan.prefill.append((req, req.num_computed, req.num_computed + n))
+                budget -= n
+            elif target == req.num_computed:
+                plan.prefill.append((req, target, target))
+
+        # 3. decode, making room for one more token per sequence
+        decoding = [r for r in self.running if r.status is Status.DECODE]
+        for req in sorted(decoding, key=self._urgency):
+            if req not in self.running:
+                continue  # preempted below for an earlier request
+            while not self.pool.can_append(req.request_id, 1):
+                victim = self._victim(None)
+                self.preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            if req in self.running:
+                self.pool.append_slots(req.request_id, 1)
+        plan.decode = [r for r in self.running if r.status is Status.DECODE]
+        plan.prefill = [p for p in plan.prefill if p[0] in self.running]
+        return plan
