@@ -1,0 +1,201 @@
+"""The continuous-batching engine against the batch-1 reference loop (CPU, tiny checkpoints)."""
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.checkpoint import load_dualar
+from shoal.codec import load_codec
+from shoal.engine.engine import Engine, EngineConfig
+from shoal.engine.generate import generate
+from shoal.engine.request import AudioEvent, EngineRequest, FinishEvent, FramesEvent, Priority
+from shoal.engine.sampling import SamplingParams
+from shoal.engine.audio import ChunkSchedule
+from shoal.text import Reference, build_session
+
+TEXTS = ["Hello world, this is a test.", "How are you doing today my friend?",
+         "Speech synthesis is fun.", "The quick brown fox jumps over the lazy dog."]
+GREEDY = SamplingParams(greedy=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.8, top_k=30)
+
+
+@pytest.fixture(scope="module")
+def s2(tiny_s2_checkpoint):
+    model, tok = load_dualar(tiny_s2_checkpoint, dtype=torch.float32)
+    return model, tok, tiny_s2_checkpoint
+
+
+@pytest.fixture(scope="module")
+def voice():
+    return np.random.default_rng(3).integers(0, 1024, size=(10, 40))
+
+
+def session(tok, i, voice, family="s2"):
+    refs = [Reference("A voice reference transcript.", voice)] if i % 2 else []
+    return build_session(family, tok, TEXTS[i % len(TEXTS)], refs, None)
+
+
+def solo(model, tok, i, voice, params, seed, n, family="s2"):
+    s = session(tok, i, voice, family)
+    return generate(model, s.grid(), params, tok.im_end_id, n, seed=seed).codes
+
+
+def run(engine):
+    events = engine.run_until_done()
+    return {e.request_id: e for e in events if isinstance(e, FinishEvent)}, events
+
+
+@pytest.mark.parametrize("prefill_chunk", [1024, 7])
+def test_engine_equals_reference_loop_in_a_batch_mix(s2, voice, prefill_chunk):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=4, num_blocks=96,
+                                                           prefill_chunk=prefill_chunk))
+    want = {}
+    for i in range(7):
+        params = GREEDY if i % 3 else SAMPLED
+        n = 6 + i
+        want[f"r{i}"] = solo(model, tok, i, voice, params, 100 + i, n)
+        eng.add_request(EngineRequest(session=session(tok, i, voice), params=params, seed=100 + i,
+                                      max_new_tokens=n, request_id=f"r{i}"))
+    done, _ = run(eng)
+    assert set(done) == set(want)
+    for rid, codes in want.items():
+        assert np.array_equal(done[rid].codes, codes), rid
+    assert eng.pool.num_used == 0 and eng.pool.num_seqs == 0
+    eng.pool.check_invariants()
+
+
+def test_seeded_request_same_alone_and_among_eight(s2, voice):
+    model, tok, _ = s2
+    alone = Engine(model, tok.im_end_id, config=EngineConfig(max_running=1, num_blocks=64))
+    alone.add_request(EngineRequest(session=session(tok, 1, voice), params=SAMPLED, seed=42,
+                                    max_new_tokens=12, request_id="x"))
+    a, _ = run(alone)
+    crowd = Engine(model, tok.im_end_id, config=EngineConfig(max_running=9, num_blocks=128))
+    for j in range(8):
+        crowd.add_request(EngineRequest(session=session(tok, j, voice), params=SAMPLED, seed=j,
+                                        max_new_tokens=5 + j, request_id=f"o{j}"))
+    crowd.add_request(EngineRequest(session=session(tok, 1, voice), params=SAMPLED, seed=42,
+                                    max_new_tokens=12, request_id="x"))
+    c, _ = run(crowd)
+    assert np.array_equal(a["x"].codes, c["x"].codes)
+
+
+def test_prefix_cache_hits_for_a_shared_voice(s2, voice):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64))
+    eng.add_request(EngineRequest(session=session(tok, 1, voice), params=GREEDY, max_new_tokens=3,
+                                  request_id="first"))
+    run(eng)
+    before = eng.pool.hit_tokens
+    eng.add_request(EngineRequest(session=session(tok, 3, voice), params=GREEDY, max_new_tokens=3,
+                                  request_id="second"))
+    done, _ = run(eng)
+    assert eng.pool.hit_tokens - before >= 32  # the reference prompt's full blocks were reused
+    assert np.array_equal(done["second"].codes, solo(model, tok, 3, voice, GREEDY, 0, 3))
+
+
+def test_preemption_under_memory_pressure_keeps_outputs_exact(s2, voice):
+    model, tok, _ = s2
+    # 12 blocks of 16 tokens cannot hold 4 growing sequences: requests get preempted and resumed
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=4, num_blocks=12,
+                                                           prefill_chunk=32, enable_prefix_cache=False))
+    want = {}
+    for i in range(4):
+        params = GREEDY if i % 2 else SAMPLED
+        want[f"p{i}"] = solo(model, tok, 2 * (i % 2), voice, params, 7 + i, 40)
+        eng.add_request(EngineRequest(session=session(tok, 2 * (i % 2), voice), params=params,
+                                      seed=7 + i, max_new_tokens=40, request_id=f"p{i}"))
+    done, _ = run(eng)
+    assert eng.stats["preemptions"] > 0
+    for rid, codes in want.items():
+        assert np.array_equal(done[rid].codes, codes), rid
+    eng.pool.check_invariants()
+
+
+def test_cancel_frees_all_blocks(s2, voice):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64))
+    for i in range(3):
+        eng.add_request(EngineRequest(session=session(tok, i, voice), params=GREEDY,
+                                      max_new_tokens=50, request_id=f"c{i}"))
+    for _ in range(3):
+        eng.step()
+    assert eng.pool.num_used > 0
+    for i in range(3):
+        eng.abort(f"c{i}")
+    done, _ = run(eng)
+    assert {e.reason for e in done.values()} == {"cancelled"}
+    assert eng.pool.num_seqs == 0 and eng.pool.num_used == 0 and not eng.requests
+    assert sorted(eng.scheduler.free_slots) == [0, 1]
+    eng.pool.check_invariants()
+
+
+def test_realtime_priority_is_admitted_first_and_preempts_batch(s2, voice):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64))
+    for i in range(2):
+        eng.add_request(EngineRequest(session=session(tok, i, voice), params=GREEDY, max_new_tokens=30,
+                                      priority=Priority.BATCH, request_id=f"b{i}"))
+    eng.step()
+    eng.add_request(EngineRequest(session=session(tok, 2, voice), params=GREEDY, max_new_tokens=3,
+                                  priority=Priority.REALTIME, request_id="rt"))
+    order = []
+    while eng.has_work():
+        order += [e.request_id for e in eng.step() if isinstance(e, FinishEvent)]
+    assert order[0] == "rt"
+    assert eng.stats["preemptions"] >= 1
+
+
+def test_multibatch_dialogue_through_the_engine(s2, voice):
+    model, tok, ckpt = s2
+    text = "<|speaker:0|>Hi there, how are you? <|speaker:1|>Fine, thanks. And you?"
+    ref = build_session("s2", tok, text, [], 10)
+    want = []
+    while not ref.done():
+        codes = generate(model, ref.grid(), GREEDY, tok.im_end_id, 4).codes
+        want.append(codes)
+        ref.commit(codes)
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64))
+    eng.add_request(EngineRequest(session=build_session("s2", tok, text, [], 10), params=GREEDY,
+                                  max_new_tokens=4, request_id="d"))
+    done, events = run(eng)
+    assert np.array_equal(done["d"].codes, np.concatenate(want, axis=1))
+    assert {e.batch_index for e in events if isinstance(e, FramesEvent)} == {0, 1}
+    assert eng.pool.hit_tokens > 0  # batch 1's prompt extends batch 0's sequence
+
+
+def test_streaming_audio_equals_one_shot_decode(s2, voice):
+    model, tok, ckpt = s2
+    codec = load_codec(ckpt / "codec.pth")
+    eng = Engine(model, tok.im_end_id, codec=codec,
+                 config=EngineConfig(max_running=3, num_blocks=64,
+                                     audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8)))
+    for i in range(3):
+        eng.add_request(EngineRequest(session=session(tok, i, voice), params=SAMPLED, seed=i,
+                                      max_new_tokens=13 + i, stream_audio=True, request_id=f"a{i}"))
+    done, events = run(eng)
+    for i in range(3):
+        rid = f"a{i}"
+        chunks = [e.pcm for e in events if isinstance(e, AudioEvent) and e.request_id == rid]
+        assert len(chunks) >= 3 and len(chunks[0]) == 2 * 2048  # small first chunk
+        streamed = np.concatenate(chunks)
+        with torch.inference_mode():
+            ref = codec.decode(torch.as_tensor(done[rid].codes)[None])[0, 0].numpy()
+        assert streamed.shape == ref.shape
+        assert np.abs(streamed - ref).max() < 1e-4
+        assert done[rid].timings["first_audio_s"] <= done[rid].timings["total_s"]
+
+
+def test_s1_engine_equals_reference_loop(tiny_s1_checkpoint, voice):
+    model, tok = load_dualar(tiny_s1_checkpoint, dtype=torch.float32)
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=3, num_blocks=64))
+    params = SamplingParams(temperature=0.8, top_p=0.8, repetition_penalty=1.1)
+    want = {}
+    for i in range(3):
+        want[f"s{i}"] = solo(model, tok, i, voice, params, i, 20, family="s1")
+        eng.add_request(EngineRequest(session=session(tok, i, voice, "s1"), params=params, seed=i,
+                                      max_new_tokens=20, request_id=f"s{i}"))
+    done, _ = run(eng)
+    for rid, codes in want.items():
+        assert np.array_equal(done[rid].codes, codes), rid
