@@ -204,7 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("-o", "--output", required=True)
     dec.add_argument("--device", default="auto")
     dec.set_defaults(func=cmd_codec)
+    bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
+                           add_help=False)
+    bench.add_argument("which", choices=["engine", "attention"], help="which benchmark")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark options (see shoal bench WHICH -h)")
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.which == "engine":
+        from .bench.engine import main as bench_main
+    else:
+        from .bench.kernels_attention import main as bench_main
+    return bench_main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:

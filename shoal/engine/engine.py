@@ -165,17 +165,19 @@ class Engine:
             req.first_frame_time = now
         req.new_columns.append(col)
         req.frames_total += 1
-        eos = int(col[0]) == self.im_end_id
+        eos = int(col[0]) == self.im_end_id and not req.ignore_eos
         if not eos:
             self.stats["frames"] += 1
-            if not first_of_batch:
-                req.ras_window.append(int(col[0]) - self.model.config.semantic_begin_id)
+            if not first_of_batch:  # allowed-space index, as the device window holds it
+                mc = self.model.config
+                tok = int(col[0])
+                req.ras_window.append(tok - mc.semantic_begin_id if tok != self.im_end_id else mc.codebook_size)
             frame = col[1:, None].astype(np.int64)
             events.append(FramesEvent(req.request_id, frame, req.batch_index))
             if self.audio is not None and req.stream_audio:
                 self.audio.push(req.request_id, frame)
         if eos or len(req.new_columns) >= req.budget:
-            kept = [c for c in req.new_columns if int(c[0]) != self.im_end_id]
+            kept = req.new_columns[:-1] if eos else req.new_columns
             codes = np.stack(kept, axis=1)[1:] if kept else np.zeros((10, 0), np.int64)
             req.all_codes.append(codes)
             req.session.commit(codes)

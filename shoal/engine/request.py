@@ -76,6 +76,7 @@ class EngineRequest:
     priority: Priority = Priority.INTERACTIVE
     stream_audio: bool = False
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    ignore_eos: bool = False  # benchmarks: <|im_end|> does not stop (its frame counts)
 
     # ------------------------------------------------------------------ runtime state
     status: Status = Status.WAITING
@@ -98,3 +99,25 @@ class EngineRequest:
 
     def current_frames(self) -> int:
         return len(self.new_columns)
+
+
+class GridSession:
+    """A prompt given directly as a token grid (benchmarks, pre-built prompts): one batch."""
+
+    family = "grid"
+
+    def __init__(self, grid: np.ndarray) -> None:
+        self._grid = np.asarray(grid, dtype=np.int64)
+        self.batches = ["<grid>"]
+        self.generated: list[np.ndarray] = []
+
+    def grid(self) -> np.ndarray:
+        if self.generated:
+            raise RuntimeError("session is done")
+        return self._grid
+
+    def commit(self, codes: np.ndarray) -> None:
+        self.generated.append(codes)
+
+    def done(self) -> bool:
+        return bool(self.generated)

@@ -1,0 +1,460 @@
+"""Paged decode attention (one query token per sequence, GQA) for the slow transformer.
+
+Layout
+------
+* ``q``: ``[B, H, D]`` (RoPE already applied), bf16 / fp16 / fp32.
+* ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, H_kv, D]``, same dtype as ``q``;
+  the last dimension must be contiguous.
+* ``block_tables``: ``[B, max_blocks]`` int32; token ``t`` of sequence ``b`` lives in
+  page ``block_tables[b, t // block_size]`` at slot ``t % block_size``. Entries past a
+  sequence's last page are never read (they may hold 0, -1 or garbage).
+* ``context_lens``: ``[B]`` int32, number of valid keys per sequence (>= 1); the current
+  token's K/V is already in the cache.
+* Query head ``h`` attends with KV head ``h // (H // H_kv)``. Softmax is computed in fp32;
+  the output has ``q``'s dtype.
+
+Two implementations share this contract:
+
+* :func:`paged_decode_attention_ref` -- plain PyTorch (gather + masked fp32 softmax). It
+  runs on any device, does no host syncs (so it is CUDA-graph capturable too) and is the
+  ground truth for tests.
+* :func:`paged_decode_attention` -- a Triton "flash-decoding" kernel. One program per
+  (KV head, sequence, split) loads each K/V tile once for all ``H // H_kv`` query heads of
+  its group (the group is padded to 16 rows so the two products run on tensor cores),
+  runs an online softmax over a contiguous range of ``BLOCK_N``-token tiles and, when the
+  context is split over several programs, writes a partial (normalised output,
+  log-sum-exp) that a second small kernel merges. The grid depends only on shapes and the
+  per-sequence loop bounds are read from ``context_lens`` on the device, so the call is
+  CUDA-graph capturable. On CPU tensors it falls back to the reference unless Triton
+  was imported with ``TRITON_INTERPRET=1`` (Triton fixes its interpreter mode at import),
+  in which case the kernel runs in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+try:  # Triton is optional: CPU-only installs use the reference path.
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "choose_num_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_decode_attention_triton",
+    "triton_interpreting",
+]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+
+
+# --------------------------------------------------------------------------------------
+# Reference
+# --------------------------------------------------------------------------------------
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H, D], got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "k_cache/v_cache must both be [num_blocks, block_size, H_kv, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    B, H, D = q.shape
+    _, _, H_kv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"head_dim mismatch: q has {D}, cache has {Dk}")
+    if H_kv < 1 or H % H_kv != 0:
+        raise ValueError(f"num query heads {H} is not a multiple of num KV heads {H_kv}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be [B={B}, max_blocks], got {tuple(block_tables.shape)}")
+    if context_lens.shape != (B,):
+        raise ValueError(f"context_lens must be [B={B}], got {tuple(context_lens.shape)}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    return B, H, D, H_kv
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Reference paged decode attention: gather pages, masked fp32 softmax.
+
+    Gathers every page listed in ``block_tables`` (out-of-range entries are clamped, then
+    masked), so memory is ``O(B * max_blocks * block_size * H_kv * D)``. No host syncs.
+    """
+    B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    group = H // H_kv
+    max_blocks = block_tables.shape[1]
+    L = max_blocks * block_size
+
+    bt = block_tables.to(device=q.device, dtype=torch.long).clamp(0, num_blocks - 1)
+    # [B, max_blocks, block_size, H_kv, D] -> [B, L, H_kv, D]
+    k = k_cache[bt].reshape(B, L, H_kv, D).float()
+    v = v_cache[bt].reshape(B, L, H_kv, D).float()
+    qf = q.float().reshape(B, H_kv, group, D)
+
+    scores = torch.einsum("bkgd,blkd->bkgl", qf, k) * float(scale)  # [B, H_kv, G, L]
+    pos = torch.arange(L, device=q.device)
+    valid = pos[None, :] < context_lens.to(device=q.device, dtype=torch.long)[:, None]  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.nan_to_num(probs, nan=0.0)  # context_len == 0 (outside the contract) -> 0
+    # Slots past the context may hold anything (torch.empty caches: NaN/inf bit patterns);
+    # zero them so 0 * NaN cannot leak into the output.
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)
+    return out.reshape(B, H, D).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels (plain functions; wrapped lazily as compiled or interpreted kernels)
+# --------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    def _split_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        lens_ptr,
+        o_ptr,
+        po_ptr,
+        plse_ptr,
+        qk_scale,
+        stride_qb,
+        stride_qh,
+        stride_kb,
+        stride_kt,
+        stride_kh,
+        stride_vb,
+        stride_vt,
+        stride_vh,
+        stride_btb,
+        stride_ob,
+        stride_oh,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        PAGE_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+    ):
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        split = tl.program_id(2)
+
+        ctx = tl.load(lens_ptr + b)
+        n_tiles = tl.cdiv(ctx, BLOCK_N)
+        tiles_per_split = tl.cdiv(n_tiles, NUM_SPLITS)
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
+
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        g_mask = offs_g < GROUP
+        heads = kvh * GROUP + offs_g
+
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None],
+            other=0.0,
+        )
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+        bt_row = bt_ptr + b * stride_btb
+        k_head = k_ptr + kvh * stride_kh
+        v_head = v_ptr + kvh * stride_vh
+        for tile in range(tile_lo, tile_hi):
+            tok = tile * BLOCK_N + offs_n
+            tok_mask = tok < ctx
+            page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+            slot = tok % PAGE_SIZE
+            k = tl.load(
+                k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                mask=tok_mask[:, None],
+                other=0.0,
+            )
+            if UPCAST_DOT:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = s * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+            s = tl.where(tok_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                mask=tok_mask[:, None],
+                other=0.0,
+            )
+            if UPCAST_DOT:
+                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        has = l_i > 0.0
+        l_safe = tl.where(has, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        if NUM_SPLITS == 1:
+            tl.store(
+                o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                out.to(o_ptr.dtype.element_ty),
+                mask=g_mask[:, None],
+            )
+        else:
+            # log2-sum-exp2 of this split's scores (scores are already in log2 units).
+            lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
+            p_off = b * stride_pb + heads * stride_ph + split * stride_ps
+            tl.store(
+                po_ptr + p_off[:, None] + offs_d[None, :],
+                out,
+                mask=g_mask[:, None],
+            )
+            # partial_lse is [B, H, S] contiguous and partial_o [B, H, S, D] contiguous,
+            # so the lse index is the partial-output row offset divided by HEAD_DIM.
+            tl.store(plse_ptr + p_off // HEAD_DIM, lse, mask=g_mask)
+
+    def _reduce_kernel(
+        po_ptr,
+        plse_ptr,
+        o_ptr,
+        stride_pb,
+        stride_ph,
+        stride_ps,
+        stride_ob,
+        stride_oh,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_mask = offs_s < NUM_SPLITS
+        base = b * stride_pb + h * stride_ph
+        lse = tl.load(plse_ptr + (base + offs_s * stride_ps) // HEAD_DIM, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+        po = tl.load(
+            po_ptr + base + offs_s[:, None] * stride_ps + offs_d[None, :],
+            mask=s_mask[:, None],
+            other=0.0,
+        )
+        num = tl.sum(w[:, None] * po, 0)
+        den = tl.sum(w, 0)
+        den = tl.where(den > 0.0, den, 1.0)
+        tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, (num / den).to(o_ptr.dtype.element_ty))
+
+
+def triton_interpreting() -> bool:
+    """True when Triton was imported in interpreter mode (``TRITON_INTERPRET=1``).
+
+    Triton fixes the mode of its own ``@jit`` library functions (``tl.sum``, ``tl.max``,
+    ...) when ``triton.language`` is first imported, so that moment -- not the current
+    value of the variable -- decides whether kernels can run in the interpreter.
+    """
+    return HAS_TRITON and type(tl.sum).__name__ == "InterpretedFunction"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(interpret: bool):
+    """(split_kernel, reduce_kernel), wrapped for the interpreter or for compilation."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_split_kernel), InterpretedFunction(_reduce_kernel)
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(_split_kernel), JITFunction(_reduce_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _default_block_n(block_size: int, head_dim: int) -> int:
+    return 64
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int = 132) -> int:
+    """Number of context splits per (sequence, KV head); a function of shapes only.
+
+    ``batch * num_kv_heads`` programs already fill the GPU when there are at least as
+    many as SMs; otherwise split the context so that there are about two programs per
+    SM, keeping at least two ``block_n``-token tiles per split of the *maximum* context
+    (``max_blocks * block_size``; the actual lengths live on the device).
+    """
+    progs = max(1, batch * num_kv_heads)
+    if progs >= num_sms:
+        return 1
+    max_tiles = max(1, -(-max_context // block_n))
+    want = -(-2 * num_sms // progs)
+    splits = min(want, max(1, max_tiles // 2), _MAX_SPLITS)
+    return max(1, splits)
+
+
+def paged_decode_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale,
+    *,
+    out=None,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
+    Triton was imported with ``TRITON_INTERPRET=1``.
+
+    ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
+    ``num_warps`` / ``num_stages`` are passed to the split kernel.
+    """
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {D} not supported (16, 32, 64, 128 or 256)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache must be contiguous in the last (head_dim) dimension")
+    interpret = triton_interpreting()
+    if not interpret and not q.is_cuda:
+        raise RuntimeError(
+            "the compiled Triton kernel needs CUDA tensors; to run it on CPU set "
+            "TRITON_INTERPRET=1 before triton is first imported"
+        )
+
+    block_size = k_cache.shape[1]
+    group = H // H_kv
+    group_pad = max(16, _next_pow2(group))
+    if block_n is None:
+        block_n = _default_block_n(block_size, D)
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if num_splits is None:
+        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
+        num_splits = choose_num_splits(B, H_kv, block_tables.shape[1] * block_size, block_n, sms)
+    num_splits = int(max(1, num_splits))
+
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    if context_lens.dtype != torch.int32 or not context_lens.is_contiguous():
+        context_lens = context_lens.to(torch.int32).contiguous()
+    if out is None:
+        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    else:
+        if out.shape != (B, H, D) or out.dtype != q.dtype or out.stride(-1) != 1:
+            raise ValueError("out must be [B, H, D] with q's dtype and a contiguous last dimension")
+
+    if num_splits > 1:
+        partial_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+        p_strides = (H * num_splits * D, num_splits * D, D)
+    else:
+        partial_o = out  # unused by the kernel when NUM_SPLITS == 1
+        partial_lse = out
+        p_strides = (0, 0, 0)
+
+    split_kernel, reduce_kernel = _kernels(bool(interpret))
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    split_kernel[(H_kv, B, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        partial_o,
+        partial_lse,
+        float(scale) * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *p_strides,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=D,
+        PAGE_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision,
+        # Triton's interpreter multiplies bf16 operands of tl.dot as raw uint16 bit
+        # patterns (seen with triton 3.9), so interpreted runs do the products in fp32
+        # after rounding the operands to the storage dtype, like the compiled kernel.
+        UPCAST_DOT=bool(interpret),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        reduce_kernel[(H, B)](
+            partial_o,
+            partial_lse,
+            out,
+            *p_strides,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=max(2, _next_pow2(num_splits)),
+            HEAD_DIM=D,
+            num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None):
+    """Paged decode attention: the Triton kernel on CUDA tensors (or on any tensors when
+    Triton runs in its interpreter, ``TRITON_INTERPRET=1``), else the PyTorch reference."""
+    if HAS_TRITON and (q.is_cuda or triton_interpreting()):
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    res = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
