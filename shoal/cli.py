@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("-o", "--output", required=True)
     dec.add_argument("--device", default="auto")
     dec.set_defaults(func=cmd_codec)
+    from .batch import add_batch_parser
+
+    add_batch_parser(sub)
+
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)
     bench.add_argument("which", choices=["engine", "attention"], help="which benchmark")

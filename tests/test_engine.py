@@ -199,3 +199,17 @@ def test_s1_engine_equals_reference_loop(tiny_s1_checkpoint, voice):
     done, _ = run(eng)
     for rid, codes in want.items():
         assert np.array_equal(done[rid].codes, codes), rid
+
+
+def test_dialogue_outgrowing_the_context_fails_only_that_request(s2, voice):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64, max_seq_len=80))
+    text = "<|speaker:0|>Hi there, how are you? <|speaker:1|>Fine, thanks. And you?"
+    eng.add_request(EngineRequest(session=build_session("s2", tok, text, [], 10), params=GREEDY,
+                                  max_new_tokens=0, request_id="long"))
+    eng.add_request(EngineRequest(session=session(tok, 0, voice), params=GREEDY, max_new_tokens=3,
+                                  request_id="ok"))
+    done, _ = run(eng)
+    assert done["long"].reason == "error" and "context" in done["long"].error
+    assert done["ok"].reason == "length"
+    assert eng.pool.num_seqs == 0

@@ -187,7 +187,12 @@ class Engine:
                 self.scheduler.remove(req)
                 self._last_block_count.pop(req.request_id, None)
                 req.batch_index += 1
-                self._start_batch(req)
+                try:
+                    self._start_batch(req)
+                except ValueError as e:  # the dialogue outgrew the context: end this request only
+                    self.requests[req.request_id] = req
+                    self._finish(req, "error", events, error=str(e))
+                    return
                 self.scheduler.add(req)
 
     # ------------------------------------------------------------------ the step
