@@ -53,8 +53,11 @@ def _log(*a):
     print(*a, flush=True)
 
 
-def time_graph(fn, iters: int, warmup: int = 3) -> float:
-    """Capture ``fn`` into a CUDA graph; median replay time in microseconds."""
+def time_graph(fn, iters: int, warmup: int = 3, warmup_s: float = 0.05) -> float:
+    """Capture ``fn`` into a CUDA graph; median replay time in microseconds.
+
+    Replays at least ``warmup`` times and for at least ``warmup_s`` seconds before
+    timing (the first measurement after a pause otherwise reads up to ~15% slow)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -64,8 +67,13 @@ def time_graph(fn, iters: int, warmup: int = 3) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(warmup):
+    t_end = time.perf_counter() + warmup_s
+    n = 0
+    while n < warmup or time.perf_counter() < t_end:
         g.replay()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     times = []
     start = torch.cuda.Event(enable_timing=True)
@@ -110,7 +118,7 @@ def make_pool(B, ctx, bs, n_layers, device):
     return k, v, tables
 
 
-def run_cell(B, ctx, bs, iters, device, methods):
+def run_cell(B, ctx, bs, iters, device, methods, repeat_triton=False):
     res = {"B": B, "context": ctx, "block_size": bs, "H": H, "H_kv": H_KV, "D": D, "dtype": "bf16"}
     scale = 1.0 / math.sqrt(D)
     kv_bytes = 2 * B * ctx * H_KV * D * 2
@@ -172,6 +180,9 @@ def run_cell(B, ctx, bs, iters, device, methods):
                 outs[i].copy_(gather_sdpa(q, k, v, tables[i], cl, scale))
 
         bench("gather_sdpa", f_gather)
+
+    if repeat_triton and "triton" in methods:
+        bench("triton_repeat", f_triton)  # run-to-run spread of the kernel's timing
 
     del k, v
     torch.cuda.empty_cache()
@@ -262,6 +273,7 @@ def main(argv=None):
         nargs="+",
         default=["triton", "gather_sdpa", "sdpa_dense_gqa", "sdpa_dense_mha"],
     )
+    ap.add_argument("--repeat-triton", action="store_true", help="time the kernel a second time per cell")
     ap.add_argument("--sweep", action="store_true", help="also sweep kernel launch parameters")
     ap.add_argument("--sweep-only", action="store_true")
     args = ap.parse_args(argv)
@@ -297,12 +309,12 @@ def main(argv=None):
         hdr = f"{'bs':>3} {'B':>4} {'ctx':>5} {'spl':>3} {'lay':>3} {'err':>8} | " + " | ".join(
             f"{m:>22}" for m in args.methods
         )
-        _log(hdr)
+        _log(hdr + (f" | {'triton_repeat':>22}" if args.repeat_triton else ""))
         for bs in args.block_sizes:
             for B in args.batches:
                 for ctx in args.contexts:
                     try:
-                        cell = run_cell(B, ctx, bs, args.iters, device, args.methods)
+                        cell = run_cell(B, ctx, bs, args.iters, device, args.methods, args.repeat_triton)
                     except Exception as e:  # noqa: BLE001
                         cell = {"B": B, "context": ctx, "block_size": bs, "error": f"{type(e).__name__}: {e}"}
                         _log(traceback.format_exc())
@@ -311,7 +323,7 @@ def main(argv=None):
                     dump()
                     tm = cell.get("timings", {})
                     cols = []
-                    for m in args.methods:
+                    for m in args.methods + (["triton_repeat"] if args.repeat_triton else []):
                         r = tm.get(m, {})
                         cols.append(f"{r['us']:>9.1f}us {r['GBps']:>6.0f}GB/s" if "us" in r else f"{'ERR' if r else '-':>22}")
                     err = max(cell.get("max_abs_err", {"x": float("nan")}).values())

@@ -58,6 +58,7 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
+_PROGRAMS_PER_SM = 3
 
 
 # --------------------------------------------------------------------------------------
@@ -149,6 +150,8 @@ if HAS_TRITON:
         stride_pb,
         stride_ph,
         stride_ps,
+        stride_lb,
+        stride_lh,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -232,14 +235,8 @@ if HAS_TRITON:
             # log2-sum-exp2 of this split's scores (scores are already in log2 units).
             lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
             p_off = b * stride_pb + heads * stride_ph + split * stride_ps
-            tl.store(
-                po_ptr + p_off[:, None] + offs_d[None, :],
-                out,
-                mask=g_mask[:, None],
-            )
-            # partial_lse is [B, H, S] contiguous and partial_o [B, H, S, D] contiguous,
-            # so the lse index is the partial-output row offset divided by HEAD_DIM.
-            tl.store(plse_ptr + p_off // HEAD_DIM, lse, mask=g_mask)
+            tl.store(po_ptr + p_off[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
+            tl.store(plse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
     def _reduce_kernel(
         po_ptr,
@@ -248,6 +245,8 @@ if HAS_TRITON:
         stride_pb,
         stride_ph,
         stride_ps,
+        stride_lb,
+        stride_lh,
         stride_ob,
         stride_oh,
         NUM_SPLITS: tl.constexpr,
@@ -259,13 +258,12 @@ if HAS_TRITON:
         offs_s = tl.arange(0, SPLITS_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         s_mask = offs_s < NUM_SPLITS
-        base = b * stride_pb + h * stride_ph
-        lse = tl.load(plse_ptr + (base + offs_s * stride_ps) // HEAD_DIM, mask=s_mask, other=float("-inf"))
+        lse = tl.load(plse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
         m = tl.max(lse, 0)
         m = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
         po = tl.load(
-            po_ptr + base + offs_s[:, None] * stride_ps + offs_d[None, :],
+            po_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
             mask=s_mask[:, None],
             other=0.0,
         )
@@ -313,18 +311,20 @@ def _default_block_n(block_size: int, head_dim: int) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, num_sms: int = 132) -> int:
     """Number of context splits per (sequence, KV head); a function of shapes only.
 
-    ``batch * num_kv_heads`` programs already fill the GPU when there are at least as
-    many as SMs; otherwise split the context so that there are about two programs per
+    With at least ``3 * num_sms`` (sequence, KV head) programs the GPU is full and the
+    context is not split. Otherwise split it so that there are about three programs per
     SM, keeping at least two ``block_n``-token tiles per split of the *maximum* context
-    (``max_blocks * block_size``; the actual lengths live on the device).
+    (``max_blocks * block_size``: the actual lengths are only known on the device; splits
+    past a short sequence's end exit at once). Measured on an H200 (132 SMs, S2-Pro
+    shapes): B=32 x 8 KV heads runs ~10% faster with 2 splits than 1, B=64 ~7% slower.
     """
     progs = max(1, batch * num_kv_heads)
-    if progs >= num_sms:
+    target = _PROGRAMS_PER_SM * max(1, num_sms)
+    if progs >= target:
         return 1
     max_tiles = max(1, -(-max_context // block_n))
-    want = -(-2 * num_sms // progs)
-    splits = min(want, max(1, max_tiles // 2), _MAX_SPLITS)
-    return max(1, splits)
+    want = -(-target // progs)
+    return max(1, min(want, max_tiles // 2, _MAX_SPLITS))
 
 
 def paged_decode_attention_triton(
@@ -350,8 +350,8 @@ def paged_decode_attention_triton(
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
-    if D not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim {D} not supported (16, 32, 64, 128 or 256)")
+    if D not in (32, 64, 128):
+        raise ValueError(f"head_dim {D} not supported by the Triton kernel (32, 64 or 128)")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache/v_cache must be contiguous in the last (head_dim) dimension")
     interpret = triton_interpreting()
@@ -388,11 +388,11 @@ def paged_decode_attention_triton(
     if num_splits > 1:
         partial_o = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
         partial_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
-        p_strides = (H * num_splits * D, num_splits * D, D)
+        p_strides = (H * num_splits * D, num_splits * D, D, H * num_splits, num_splits)
     else:
         partial_o = out  # unused by the kernel when NUM_SPLITS == 1
         partial_lse = out
-        p_strides = (0, 0, 0)
+        p_strides = (0, 0, 0, 0, 0)
 
     split_kernel, reduce_kernel = _kernels(bool(interpret))
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
