@@ -192,7 +192,7 @@ class ModelRunner:
         self.window[slots] = torch.cat([window[:, 1:], idx[:, None]], dim=1)
         self.code_hist[slots] = torch.cat([hist[:, :, 1:], new_cols[:, 1:, None]], dim=2)
         # padding rows all point at the scratch slot: keep its position inside its block table
-        self.position[self.scratch_slot] = 0
+        self.position[self.scratch_slot:].fill_(0)
         self.out_cols[:B] = new_cols
 
     def bucket_for(self, n: int) -> int:

@@ -69,7 +69,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor | float, top_p: Tensor |
     cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
     ranks = torch.arange(V, device=logits.device)[None, :]
     remove = (cum > p) | (ranks >= k)
-    remove[:, 0] = False
+    remove[:, 0].fill_(False)
     remove = remove.scatter(1, sorted_idx, remove)
     logits = logits.masked_fill(remove, float("-inf"))
     logits = logits / torch.clamp(temp, min=1e-5)
@@ -104,7 +104,7 @@ def s1_logits_to_probs(logits: Tensor, temperature: Tensor | float, top_p: Tenso
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
     cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
     remove = cum > p.to(dt)
-    remove[:, 0] = False
+    remove[:, 0].fill_(False)
     remove = remove.scatter(1, sorted_idx, remove)
     logits = logits.masked_fill(remove, float("-inf"))
     logits = (logits.float() / torch.clamp(temp, min=1e-5)).to(dt)
