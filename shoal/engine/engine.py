@@ -90,6 +90,8 @@ class Engine:
     def _start_batch(self, req: EngineRequest) -> None:
         grid = req.session.grid()
         T = grid.shape[1]
+        if T < 2:
+            raise ValueError("prompt must have at least 2 tokens")
         if T >= self.max_seq_len:
             raise ValueError(f"prompt has {T} tokens but the context is {self.max_seq_len}")
         room = self.max_seq_len - T
@@ -117,13 +119,17 @@ class Engine:
         return len(self.scheduler.running)
 
     # ------------------------------------------------------------------ helpers
-    def _sequence(self, req: EngineRequest) -> np.ndarray:
-        """Grid columns to prefill: the prompt (fresh batch) or prompt + generated columns minus
-        the last one, which is the next decode input (resume after preemption)."""
+    @staticmethod
+    def _full(req: EngineRequest) -> np.ndarray:
         if not req.new_columns:
             return req.grid
-        gen = np.stack(req.new_columns, axis=1)
-        return np.concatenate([req.grid, gen[:, :-1]], axis=1)
+        return np.concatenate([req.grid, np.stack(req.new_columns, axis=1)], axis=1)
+
+    def _sequence(self, req: EngineRequest) -> np.ndarray:
+        """Grid columns to prefill: everything but the last column (prompt + generated so far),
+        which is the next decode input. A fresh batch's first frame is thus sampled by the
+        batched decode step, exactly like a request resumed after preemption."""
+        return self._full(req)[:, :-1]
 
     def _sync_blocks(self, req: EngineRequest) -> None:
         table = self.pool.block_table(req.request_id)
@@ -208,31 +214,24 @@ class Engine:
         t0 = time.perf_counter()
         for req, start, end in plan.prefill:
             seq = self._sequence(req)
-            fresh = not req.new_columns
-            final = end == seq.shape[1]
-            if start == 0 or req.request_id not in self._last_block_count:
+            if req.request_id not in self._last_block_count:  # first chunk since admission
                 runner.assign_slot(req.slot, req.params, req.seed)
-                runner.frame[req.slot] = req.frames_total
             self._sync_blocks(req)
-            blocks = self.pool.block_table(req.request_id)
-            with torch.inference_mode():
-                col = runner.prefill_chunk(req.slot, seq, start, end, blocks, sample=final and fresh)
             if end > start:
+                with torch.inference_mode():
+                    runner.prefill_chunk(seq, start, end, self.pool.block_table(req.request_id))
                 self.pool.commit_tokens(req.request_id, seq[:, start:end])
             self.stats["prefill_tokens"] += end - start
             req.num_computed = end
-            if not final:
+            if end < seq.shape[1]:
                 continue
             req.status = Status.DECODE
-            if fresh:
-                col_np = col.cpu().numpy()
-                runner.set_decode_state(req.slot, col_np, seq.shape[1], req.frames_total + 1, [], None)
-                self._on_column(req, col_np, True, events)
-            else:
-                gen = np.stack(req.new_columns, axis=1)
-                hist = gen[1:, 1:] if gen.shape[1] > 1 else None
-                runner.set_decode_state(req.slot, gen[:, -1], seq.shape[1], req.frames_total,
-                                        req.ras_window, hist)
+            full = self._full(req)
+            gen = np.stack(req.new_columns, axis=1) if req.new_columns else None
+            hist = gen[1:, 1:] if gen is not None and gen.shape[1] > 1 else None
+            runner.set_decode_state(req.slot, full[:, -1], full.shape[1] - 1, req.frames_total,
+                                    req.ras_window, hist, first=not req.new_columns)
+            req.last_input = full[:, -1]
         t1 = time.perf_counter()
         decode = [r for r in plan.decode if r.status is Status.DECODE and r.request_id in self.requests
                   and r.slot is not None]
@@ -241,8 +240,9 @@ class Engine:
                 self._sync_blocks(req)
             cols = runner.decode([r.slot for r in decode])
             for req, col in zip(decode, cols):
-                self.pool.commit_tokens(req.request_id, req.new_columns[-1][:, None])
-                self._on_column(req, col, False, events)
+                self.pool.commit_tokens(req.request_id, req.last_input[:, None])
+                req.last_input = col
+                self._on_column(req, col, not req.new_columns, events)
         t2 = time.perf_counter()
         if self.audio is not None:
             events.extend(self._audio_events())

@@ -91,6 +91,7 @@ class EngineRequest:
     ras_window: list[int] = field(default_factory=list)  # allowed-space main-token indices
     all_codes: list[np.ndarray] = field(default_factory=list)
     slot: int | None = None
+    last_input: np.ndarray | None = None  # the column the next decode step consumes
     preemptions: int = 0
     cancelled: bool = False
     first_frame_time: float | None = None

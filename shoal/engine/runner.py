@@ -66,6 +66,7 @@ class ModelRunner:
         self.last_col = torch.zeros(S, self.C + 1, dtype=torch.long, device=dev)
         self.position = torch.zeros(S, dtype=torch.long, device=dev)
         self.frame = torch.zeros(S, dtype=torch.long, device=dev)
+        self.first = torch.zeros(S, dtype=torch.bool, device=dev)  # next frame opens a text batch
         self.window = torch.full((S, WINDOW), -1, dtype=torch.long, device=dev)
         self.code_hist = torch.full((S, self.C, WINDOW), -1, dtype=torch.long, device=dev)
         self.block_tables = torch.full((S, cfg.max_blocks_per_seq), self.scratch_block,
@@ -102,11 +103,15 @@ class ModelRunner:
         self.block_tables[slot, index] = block
 
     def set_decode_state(self, slot: int, last_col: np.ndarray, position: int, frame: int,
-                         window: list[int], code_hist: np.ndarray | None) -> None:
-        """(Re)load a request's decode state into its slot (after prefill or a preemption)."""
+                         window: list[int], code_hist: np.ndarray | None, first: bool) -> None:
+        """(Re)load a request's decode state into its slot (after prefill or a preemption).
+
+        ``last_col`` is the next decode input, written at ``position``; ``first`` marks that the
+        frame it produces opens a text batch (that frame never enters a repetition window)."""
         self.last_col[slot].copy_(torch.as_tensor(last_col, dtype=torch.long))
         self.position[slot] = position
         self.frame[slot] = frame
+        self.first[slot] = first
         w = torch.full((WINDOW,), -1, dtype=torch.long)
         if window:
             tail = torch.tensor(window[-WINDOW:], dtype=torch.long)
@@ -150,10 +155,10 @@ class ModelRunner:
         return cols, idx
 
     # ------------------------------------------------------------------ prefill
-    def prefill_chunk(self, slot: int, grid: np.ndarray, start: int, end: int, blocks: list[int],
-                      sample: bool) -> Tensor | None:
-        """Compute K/V for grid columns [start, end); if ``sample``, sample the first frame from the
-        last position and return its column (device, [1 + C])."""
+    def prefill_chunk(self, grid: np.ndarray, start: int, end: int, blocks: list[int]) -> None:
+        """Compute K/V for grid columns [start, end) of a sequence whose blocks are ``blocks``.
+        No logits: the last prompt column is the first decode input, so the first frame is
+        sampled by the (graph-captured, batched) decode step like every other frame."""
         dev = self.device
         bsz = self.cfg.block_size
         pos = torch.arange(start, end, device=dev)
@@ -161,14 +166,7 @@ class ModelRunner:
         slots = blk[pos // bsz] * bsz + pos % bsz
         self.prefill_backend.set(slots, blk, start, end)
         x = torch.as_tensor(grid[:, start:end], dtype=torch.long, device=dev)[None]
-        out = self.model.forward_slow(x, pos[None], self.prefill_backend,
-                                      head="allowed" if sample else None)
-        if not sample:
-            return None
-        sl = torch.tensor([slot], device=dev)
-        cols, _ = self._sample_frame(out.logits, out.fast_input, self._gather_sampling(sl),
-                                     self.frame[sl], self.window[sl], self.code_hist[sl], use_windows=False)
-        return cols[0]
+        self.model.forward_slow(x, pos[None], self.prefill_backend, head=None)
 
     # ------------------------------------------------------------------ decode
     def _decode_body(self, B: int) -> None:
@@ -186,11 +184,15 @@ class ModelRunner:
         hist = self.code_hist[slots]
         new_cols, idx = self._sample_frame(out.logits, out.fast_input, self._gather_sampling(slots),
                                            frame, window, hist, use_windows=True)
+        first = self.first[slots]
         self.last_col[slots] = new_cols
         self.position[slots] = pos + 1
         self.frame[slots] = frame + 1
-        self.window[slots] = torch.cat([window[:, 1:], idx[:, None]], dim=1)
-        self.code_hist[slots] = torch.cat([hist[:, :, 1:], new_cols[:, 1:, None]], dim=2)
+        # the frame that opens a text batch never enters the repetition windows
+        self.window[slots] = torch.where(first[:, None], window, torch.cat([window[:, 1:], idx[:, None]], dim=1))
+        self.code_hist[slots] = torch.where(first[:, None, None], hist,
+                                            torch.cat([hist[:, :, 1:], new_cols[:, 1:, None]], dim=2))
+        self.first[slots] = torch.zeros_like(first)
         # padding rows all point at the scratch slot: keep its position inside its block table
         self.position[self.scratch_slot:].fill_(0)
         self.out_cols[:B] = new_cols
