@@ -65,7 +65,7 @@ Event = FramesEvent | AudioEvent | FinishEvent
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests live in lists and dicts
 class EngineRequest:
     """One synthesis request: a prompt session (one or more text batches) and its settings."""
 
