@@ -65,32 +65,40 @@ class PagedDecodeBackend:
 
 
 class PagedPrefillBackend:
+    """Prompt chunks of several sequences packed into one token axis (B = 1, N tokens).
+
+    The projections and MLPs run once over all N tokens; attention runs per segment, each over
+    its own cached prefix plus its chunk (causal)."""
+
     def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int) -> None:
         self.cache = cache
         self.group = n_heads // n_kv_heads
         self.slots: Tensor | None = None
-        self.blocks: Tensor | None = None
-        self.mask: Tensor | None = None
-        self.ctx = 0
+        self.segments: list[tuple[int, int, Tensor, int, Tensor]] = []
 
-    def set(self, slots: Tensor, blocks: Tensor, start: int, end: int) -> None:
-        """Chunk = positions [start, end) of a sequence whose blocks are ``blocks``."""
-        self.slots, self.blocks, self.ctx = slots, blocks, end
-        keys = torch.arange(end, device=slots.device)
-        queries = torch.arange(start, end, device=slots.device)
-        self.mask = (keys[None, :] <= queries[:, None])[None, None]
+    def set(self, slots: Tensor, segments: list[tuple[int, int, Tensor, int, int]]) -> None:
+        """``segments``: (offset in N, length, block ids, start position, end position)."""
+        self.slots = slots
+        self.segments = []
+        for off, n, blocks, start, end in segments:
+            keys = torch.arange(end, device=slots.device)
+            queries = torch.arange(start, end, device=slots.device)
+            mask = (keys[None, :] <= queries[:, None])[None, None]
+            self.segments.append((off, n, blocks, end, mask))
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.slots, k[0], v[0])
-        kc = self.cache.k(layer)[self.blocks].flatten(0, 1)[: self.ctx]  # [ctx, H_kv, D]
-        vc = self.cache.v(layer)[self.blocks].flatten(0, 1)[: self.ctx]
-        kc = kc.transpose(0, 1)[None]
-        vc = vc.transpose(0, 1)[None]
-        if self.group > 1:
-            kc = kc.repeat_interleave(self.group, dim=1)
-            vc = vc.repeat_interleave(self.group, dim=1)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc, attn_mask=self.mask)
-        return y.transpose(1, 2)
+        out = torch.empty_like(q)
+        kl, vl = self.cache.k(layer), self.cache.v(layer)
+        for off, n, blocks, end, mask in self.segments:
+            kc = kl[blocks].flatten(0, 1)[:end].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
+            vc = vl[blocks].flatten(0, 1)[:end].transpose(0, 1)[None]
+            if self.group > 1:
+                kc = kc.repeat_interleave(self.group, dim=1)
+                vc = vc.repeat_interleave(self.group, dim=1)
+            qs = q[:, off: off + n].transpose(1, 2)
+            out[:, off: off + n] = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask).transpose(1, 2)
+        return out
 
 
 class FastCacheBackend:

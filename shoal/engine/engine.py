@@ -212,14 +212,18 @@ class Engine:
             self._last_block_count.pop(req.request_id, None)
         runner = self.runner
         t0 = time.perf_counter()
+        chunks = []
         for req, start, end in plan.prefill:
-            seq = self._sequence(req)
             if req.request_id not in self._last_block_count:  # first chunk since admission
                 runner.assign_slot(req.slot, req.params, req.seed)
             self._sync_blocks(req)
             if end > start:
-                with torch.inference_mode():
-                    runner.prefill_chunk(seq, start, end, self.pool.block_table(req.request_id))
+                chunks.append((self._sequence(req), start, end, self.pool.block_table(req.request_id)))
+        with torch.inference_mode():
+            runner.prefill(chunks)
+        for req, start, end in plan.prefill:
+            seq = self._sequence(req)
+            if end > start:
                 self.pool.commit_tokens(req.request_id, seq[:, start:end])
             self.stats["prefill_tokens"] += end - start
             req.num_computed = end

@@ -155,18 +155,28 @@ class ModelRunner:
         return cols, idx
 
     # ------------------------------------------------------------------ prefill
-    def prefill_chunk(self, grid: np.ndarray, start: int, end: int, blocks: list[int]) -> None:
-        """Compute K/V for grid columns [start, end) of a sequence whose blocks are ``blocks``.
-        No logits: the last prompt column is the first decode input, so the first frame is
-        sampled by the (graph-captured, batched) decode step like every other frame."""
+    def prefill(self, chunks: list[tuple[np.ndarray, int, int, list[int]]]) -> None:
+        """Compute K/V for several prompt chunks in one forward: each chunk is (grid, start, end,
+        block ids) = columns [start, end) of a sequence. No logits: the last prompt column is the
+        first decode input, so the first frame is sampled by the (graph-captured, batched)
+        decode step like every other frame."""
+        if not chunks:
+            return
         dev = self.device
         bsz = self.cfg.block_size
-        pos = torch.arange(start, end, device=dev)
-        blk = torch.tensor(blocks, dtype=torch.long, device=dev)
-        slots = blk[pos // bsz] * bsz + pos % bsz
-        self.prefill_backend.set(slots, blk, start, end)
-        x = torch.as_tensor(grid[:, start:end], dtype=torch.long, device=dev)[None]
-        self.model.forward_slow(x, pos[None], self.prefill_backend, head=None)
+        xs, poss, slots, segments = [], [], [], []
+        off = 0
+        for grid, start, end, blocks in chunks:
+            pos = torch.arange(start, end, device=dev)
+            blk = torch.tensor(blocks, dtype=torch.long, device=dev)
+            slots.append(blk[pos // bsz] * bsz + pos % bsz)
+            poss.append(pos)
+            xs.append(torch.as_tensor(grid[:, start:end], dtype=torch.long, device=dev))
+            segments.append((off, end - start, blk, start, end))
+            off += end - start
+        self.prefill_backend.set(torch.cat(slots), segments)
+        x = torch.cat(xs, dim=1)[None]
+        self.model.forward_slow(x, torch.cat(poss)[None], self.prefill_backend, head=None)
 
     # ------------------------------------------------------------------ decode
     def _decode_body(self, B: int) -> None:
