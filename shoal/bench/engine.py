@@ -32,6 +32,10 @@ def _pct(values: list[float], q: float) -> float | None:
 
 
 def git_commit() -> str:
+    import os
+
+    if os.environ.get("SHOAL_COMMIT"):
+        return os.environ["SHOAL_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent, timeout=5).stdout.strip() or "unknown"
