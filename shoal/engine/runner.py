@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from ..model.dualar import DualAR
 from .attention import FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend
-from .sampling import BatchSampling, SamplingParams, residual_code, s1_main_token, s2_main_token
+from .sampling import (BatchSampling, SamplingParams, residual_code, residual_noise, s1_main_token,
+                       s2_main_token)
 
 WINDOW = 16  # repetition window capacity (S2 RAS uses the last 10, S1 the last 16)
 
@@ -143,11 +144,12 @@ class ModelRunner:
         fb.position = 0
         model.forward_fast(fast_in, 0, fb, n_out=0)
         e = model.fast_embeddings(code0)
+        noise = residual_noise(bs, frame, self.C, self.n_res)
         for k in range(1, self.C):
             fb.position = k
             fl = model.forward_fast(e, k, fb, n_out=self.n_res)
             win = code_hist[:, k] if (self.family == "s1" and use_windows) else None
-            ck = residual_code(fl, bs, frame, k, self.family, win)
+            ck = residual_code(fl, bs, frame, k, self.family, win, noise[:, k])
             codes.append(ck)
             e = model.fast_embeddings(ck)
         cols = torch.stack([tok] + codes, dim=1)

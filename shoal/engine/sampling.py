@@ -61,12 +61,23 @@ def logits_to_probs(logits: Tensor, temperature: Tensor | float, top_p: Tensor |
     ``temperature``/``top_p`` are cast to the logits dtype, as the reference holds them in the
     model dtype (bf16: top_p 0.9 -> 0.8984375).
     """
+    return probs_from_sorted(logits, sort_cumulative(logits), temperature, top_p, top_k)
+
+
+def sort_cumulative(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(sorted indices, cumulative untempered probabilities in sorted order): the part of the
+    S2 rule that does not depend on the parameters, shareable between draws on one logits row."""
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+    return sorted_idx, torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+
+
+def probs_from_sorted(logits: Tensor, sorted_cum: tuple[Tensor, Tensor], temperature: Tensor | float,
+                      top_p: Tensor | float, top_k: Tensor | int) -> Tensor:
     B, V = logits.shape
+    sorted_idx, cum = sorted_cum
     temp = _column(temperature, B, logits.dtype, logits.device)
     p = _column(top_p, B, logits.dtype, logits.device)
     k = _column(top_k, B, torch.long, logits.device)
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-    cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
     ranks = torch.arange(V, device=logits.device)[None, :]
     remove = (cum > p) | (ranks >= k)
     remove[:, 0].fill_(False)
@@ -192,14 +203,18 @@ def _mix32(x: Tensor) -> Tensor:
 
 
 def hash_uniform(seed: Tensor, counter: Tensor, n: int) -> Tensor:
-    """[B, n] fp32 uniforms in (0, 1], exactly reproducible on any device.
+    """fp32 uniforms in (0, 1], exactly reproducible on any device: [B, n] for ``counter`` [B],
+    or [B, K, n] for ``counter`` [B, K] (several draws in one pass).
 
-    ``seed`` and ``counter`` are int64 [B]; 24 random bits per draw, never 0.
+    ``seed`` is int64 [B]; 24 random bits per draw, never 0.
     """
     s = seed.long()
-    key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(counter.long() & _M32)))
+    c = counter.long()
+    if c.dim() == 2:
+        s = s[:, None]
+    key = _mix32((s & _M32) ^ _mix32(((s >> 32) & _M32) ^ _mix32(c & _M32)))
     idx = torch.arange(n, device=seed.device, dtype=torch.long)
-    h = _mix32(key[:, None] ^ _mix32((idx[None, :] * 0x9E37 + 0x7F4A7C15) & _M32))
+    h = _mix32(key[..., None] ^ _mix32((idx * 0x9E37 + 0x7F4A7C15) & _M32))
     return ((h >> 8) + 1).to(torch.float32) * (1.0 / (1 << 24))
 
 
@@ -254,13 +269,13 @@ class BatchSampling:
 
 
 def sample_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, greedy: Tensor,
-                q: Tensor) -> Tensor:
+                q: Tensor, sorted_cum: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """The S2 rule for a batch with per-row parameters and given race noise ``q`` [B, V].
 
     Greedy rows take the first argmax of the logits. Parameters are rounded to the logits dtype
     like the reference's model-dtype tensors. No host synchronisation.
     """
-    probs = logits_to_probs(logits, temperature, top_p, top_k)
+    probs = probs_from_sorted(logits, sorted_cum or sort_cumulative(logits), temperature, top_p, top_k)
     sampled = torch.argmax(probs.float() / q, dim=-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
 
@@ -275,10 +290,10 @@ def s2_main_token(logits: Tensor, bs: BatchSampling, frame: Tensor, window: Tens
     """
     A = logits.shape[-1]
     counter = frame * DRAWS_PER_FRAME
-    normal = sample_rows(logits, bs.temperature, bs.top_p, bs.top_k, bs.greedy,
-                         hash_exponential(bs.seed, counter, A))
-    high = sample_rows(logits, bs.ras_temperature, bs.ras_top_p, bs.top_k, bs.greedy,
-                       hash_exponential(bs.seed, counter + 1, A))
+    q = hash_exponential(bs.seed, torch.stack([counter, counter + 1], dim=1), A)  # both draws at once
+    sc = sort_cumulative(logits)  # one sort serves both draws
+    normal = sample_rows(logits, bs.temperature, bs.top_p, bs.top_k, bs.greedy, q[:, 0], sc)
+    high = sample_rows(logits, bs.ras_temperature, bs.ras_top_p, bs.top_k, bs.greedy, q[:, 1], sc)
     W = window.shape[1]
     live = torch.arange(W, device=window.device)[None, :] >= (W - bs.ras_window)[:, None]
     repeated = ((window == normal[:, None]) & live).any(dim=1)
@@ -297,11 +312,19 @@ def s1_main_token(logits: Tensor, bs: BatchSampling, frame: Tensor, window: Tens
     return torch.where(bs.greedy, torch.argmax(penalised, dim=-1), sampled)
 
 
+def residual_noise(bs: BatchSampling, frame: Tensor, num_codebooks: int, n: int) -> Tensor:
+    """[B, C, n] race noise of all residual codebooks of a frame (index k = codebook k; row 0
+    unused), computed in one pass: the draws do not depend on the sampled values."""
+    ks = torch.arange(num_codebooks, device=frame.device)
+    return hash_exponential(bs.seed, frame[:, None] * DRAWS_PER_FRAME + 1 + ks[None, :], n)
+
+
 def residual_code(logits: Tensor, bs: BatchSampling, frame: Tensor, k: int, family: str,
-                  window: Tensor | None = None) -> Tensor:
-    """Code of residual codebook ``k`` (1..9) from fast logits already cut to the valid entries."""
+                  window: Tensor | None = None, noise: Tensor | None = None) -> Tensor:
+    """Code of residual codebook ``k`` (1..9) from fast logits already cut to the valid entries.
+    ``noise`` [B, n]: this codebook's slice of :func:`residual_noise` (computed here if None)."""
     n = logits.shape[-1]
-    q = hash_exponential(bs.seed, frame * DRAWS_PER_FRAME + 1 + k, n)
+    q = noise if noise is not None else hash_exponential(bs.seed, frame * DRAWS_PER_FRAME + 1 + k, n)
     if family == "s1":
         penalised = apply_repetition_penalty(logits, bs.repetition_penalty, window)
         probs = s1_logits_to_probs(penalised, bs.temperature, bs.top_p, 1.0, None)
