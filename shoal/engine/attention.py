@@ -117,7 +117,5 @@ class FastCacheBackend:
         self.v[layer, :B, p] = v[:, 0]
         kc = self.k[layer, :B, : p + 1].transpose(1, 2)
         vc = self.v[layer, :B, : p + 1].transpose(1, 2)
-        if self.group > 1:
-            kc = kc.repeat_interleave(self.group, dim=1)
-            vc = vc.repeat_interleave(self.group, dim=1)
-        return F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc).transpose(1, 2)
+        return F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc,
+                                              enable_gqa=self.group > 1).transpose(1, 2)
