@@ -205,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--device", default="auto")
     dec.set_defaults(func=cmd_codec)
     from .batch import add_batch_parser
+    from .server.cli import add_serve_parser
 
     add_batch_parser(sub)
+    add_serve_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)

@@ -44,8 +44,9 @@ class AudioStreamer:
         self.rows: dict[str, int] = {}
         self.pending: dict[str, list[np.ndarray]] = {}
         self.chunks: dict[str, int] = {}
+        self.schedules: dict[str, ChunkSchedule] = {}
 
-    def _row(self, rid: str) -> int:
+    def _row(self, rid: str, schedule: ChunkSchedule | None = None) -> int:
         row = self.rows.get(rid)
         if row is None:
             if not self.free_rows:
@@ -55,10 +56,12 @@ class AudioStreamer:
             self.rows[rid] = row
             self.pending[rid] = []
             self.chunks[rid] = 0
+            self.schedules[rid] = schedule or self.schedule
         return row
 
-    def push(self, rid: str, frames: np.ndarray) -> None:
-        self._row(rid)
+    def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
+        """Queue frames of ``rid``; ``schedule`` (first push only) overrides the default."""
+        self._row(rid, schedule)
         self.pending[rid].append(frames)
 
     def _decode(self, rids: list[str], n: int) -> list[np.ndarray]:
@@ -85,7 +88,7 @@ class AudioStreamer:
         by_size: dict[int, list[str]] = {}
         for rid, frames in self.pending.items():
             have = sum(f.shape[1] for f in frames)
-            need = self.schedule.size(self.chunks[rid])
+            need = self.schedules[rid].size(self.chunks[rid])
             if have >= need:
                 by_size.setdefault(need, []).append(rid)
         out: list[tuple[str, np.ndarray]] = []
@@ -102,6 +105,7 @@ class AudioStreamer:
         self.free_rows.append(self.rows.pop(rid))
         self.pending.pop(rid, None)
         self.chunks.pop(rid, None)
+        self.schedules.pop(rid, None)
         return pcm
 
     def release(self, rid: str) -> None:
@@ -109,3 +113,4 @@ class AudioStreamer:
             self.free_rows.append(self.rows.pop(rid))
             self.pending.pop(rid, None)
             self.chunks.pop(rid, None)
+            self.schedules.pop(rid, None)

@@ -83,6 +83,8 @@ class Engine:
             raise ValueError("ras_window must be <= 16")
         if req.stream_audio and self.audio is None:
             raise ValueError("audio streaming needs an engine with a codec")
+        if req.audio_schedule is not None:
+            req.audio_schedule.validate()
         self._start_batch(req)
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -181,7 +183,7 @@ class Engine:
             frame = col[1:, None].astype(np.int64)
             events.append(FramesEvent(req.request_id, frame, req.batch_index))
             if self.audio is not None and req.stream_audio:
-                self.audio.push(req.request_id, frame)
+                self.audio.push(req.request_id, frame, req.audio_schedule)
         if eos or len(req.new_columns) >= req.budget:
             kept = req.new_columns[:-1] if eos else req.new_columns
             codes = np.stack(kept, axis=1)[1:] if kept else np.zeros((10, 0), np.int64)

@@ -10,6 +10,7 @@ from enum import Enum, IntEnum
 import numpy as np
 
 from ..text.prompt import PromptSession
+from .audio import ChunkSchedule
 from .sampling import SamplingParams
 
 
@@ -75,6 +76,7 @@ class EngineRequest:
     max_new_tokens: int = 1024  # frames per text batch; 0 = up to the context limit
     priority: Priority = Priority.INTERACTIVE
     stream_audio: bool = False
+    audio_schedule: ChunkSchedule | None = None  # audio chunk sizes; None = the engine's
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     ignore_eos: bool = False  # benchmarks: <|im_end|> does not stop (its frame counts)
 

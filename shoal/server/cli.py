@@ -1,0 +1,83 @@
+"""``shoal serve``: the HTTP server on uvicorn.
+
+    shoal serve [--checkpoint DIR] [--host 127.0.0.1] [--port 8080]
+                [--api-key KEY ... | --api-keys-file FILE] [--max-concurrency-per-key N]
+                [--device auto] [--dtype auto] [--max-running N] [--max-text-length N]
+
+Without ``--checkpoint`` the embedded tiny demo model is served (noise, not speech).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="run the HTTP server (Fish /v1/tts, OpenAI /v1/audio/speech)",
+        description="Serve a Fish Speech model over the Fish Audio API (the official fish-audio-sdk "
+                    "works with base_url=http://HOST:PORT) and OpenAI's /v1/audio/speech.")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny demo model)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
+                   help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accepted bearer key (repeatable); with no key at all the server is open")
+    p.add_argument("--api-keys-file", metavar="FILE",
+                   help="file with one accepted key per line (# comments and blank lines ignored)")
+    p.add_argument("--max-concurrency-per-key", type=int, default=0, metavar="N",
+                   help="in-flight synthesis requests per key; more get 429 + Retry-After (0 = no limit)")
+    p.add_argument("--max-running", type=int, default=None, metavar="N",
+                   help="engine slots: requests decoded together (default 128 on CUDA, 16 on CPU)")
+    p.add_argument("--max-pending", type=int, default=None, metavar="N",
+                   help="waiting + running requests before new ones get 503 + Retry-After "
+                        "(default 4 x max-running)")
+    p.add_argument("--max-text-length", type=int, default=10_000, metavar="N",
+                   help="characters of text per request (default 10000; longer gets 400)")
+    p.add_argument("--max-body-size", type=int, default=32 << 20, metavar="BYTES",
+                   help="request body limit incl. inline reference audio (default 32 MiB; larger gets 413)")
+    p.add_argument("--max-new-tokens-cap", type=int, default=None, metavar="N",
+                   help="clamp every request's max_new_tokens (frames per text batch) to N")
+    p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                   help="cap the model context (default: the model's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .auth import load_api_keys
+    from .config import ServerConfig
+    from .service import TTSService
+
+    config = ServerConfig(
+        api_keys=load_api_keys(args.api_key, args.api_keys_file),
+        max_concurrency_per_key=args.max_concurrency_per_key,
+        max_text_length=args.max_text_length,
+        max_body_bytes=args.max_body_size,
+        max_pending=args.max_pending,
+        max_new_tokens_cap=args.max_new_tokens_cap,
+    )
+    config.validate()
+    if args.checkpoint:
+        checkpoint = args.checkpoint
+    else:
+        from ..demo import default_checkpoint
+
+        checkpoint = default_checkpoint()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    service = TTSService.load(checkpoint, device=args.device, dtype=args.dtype,
+                              max_running=args.max_running, max_seq_len=args.max_seq_len)
+    auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "open (no API key configured)"
+    print(f"shoal: serving {checkpoint} ({service.family}, {service.tts.model.device}) on "
+          f"http://{args.host}:{args.port}, auth: {auth}", file=sys.stderr, flush=True)
+    app = create_app(service, config, owns_service=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,26 @@
+"""``GET /v1/health`` (liveness: the process answers) and ``GET /v1/ready`` (503 until warm-up)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from .errors import error_response
+from .state import get_state
+
+router = APIRouter()
+
+
+@router.get("/v1/health", summary="Liveness")
+async def health() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/v1/ready", summary="Readiness: 200 once warm-up is done, else 503")
+async def ready(request: Request) -> JSONResponse:
+    state = get_state(request)
+    service = state.service
+    if not service.ready:
+        return error_response(503, "warming up", {"Retry-After": str(state.config.retry_after_s)})
+    return JSONResponse({"status": "ready", "model_family": service.family,
+                         "sample_rate": service.sample_rate, "max_running": service.max_running})

@@ -1,0 +1,106 @@
+"""Shared HTTP plumbing for the synthesis routes: body parsing and the audio response."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import ormsgpack
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from .auth import Lease
+from .errors import APIError
+from .output import AudioPipeline
+from .service import Synthesis
+from .state import ServerState
+
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+async def parse_body(request: Request, max_bytes: int, *, msgpack: bool = True) -> dict[str, Any]:
+    """A msgpack or JSON object body; 415 for other content types, 400 when unparseable."""
+    from .limits import read_body
+
+    ctype = media_type(request)
+    is_json = ctype == "application/json" or ctype.endswith("+json")
+    is_msgpack = msgpack and ctype in MSGPACK_TYPES
+    if not (is_json or is_msgpack):
+        accepted = "application/msgpack or application/json" if msgpack else "application/json"
+        raise APIError(415, f"unsupported Content-Type {ctype or '(none)'!r}; send {accepted}")
+    raw = await read_body(request, max_bytes)
+    try:
+        data = ormsgpack.unpackb(raw) if is_msgpack else json.loads(raw)
+    except (ormsgpack.MsgpackDecodeError, ValueError, TypeError) as e:
+        kind = "msgpack" if is_msgpack else "JSON"
+        raise APIError(400, f"cannot parse the {kind} body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be an object, got {type(data).__name__}")
+    return data
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Completes when the client closes the connection (the body must be read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class AudioStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator, so the generation is aborted
+    and its slot freed even when the send fails between two chunks (client gone)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def audio_chunks(state: ServerState, syn: Synthesis, pipeline: AudioPipeline, lease: Lease, *,
+                       route: str, t0: float,
+                       wrap: Callable[[bytes], bytes] | None = None,
+                       trailer: Callable[[Synthesis], bytes] | None = None) -> AsyncIterator[bytes]:
+    """Engine PCM -> encoded bytes as they come; always aborts/frees on exit."""
+    metrics = state.metrics
+    service = state.service
+    metrics.in_flight.inc()
+    first = True
+    try:
+        async for pcm in syn.pcm_chunks():
+            data = await service.run_audio(pipeline.feed, pcm)
+            if data:
+                if first:
+                    metrics.ttfa.labels(route).observe(time.perf_counter() - t0)
+                    first = False
+                yield wrap(data) if wrap else data
+        tail = await service.run_audio(pipeline.close)
+        if tail:
+            if first:
+                metrics.ttfa.labels(route).observe(time.perf_counter() - t0)
+            yield wrap(tail) if wrap else tail
+        metrics.audio_seconds.inc(pipeline.encoder.samples_out / pipeline.sample_rate)
+        if trailer is not None:
+            yield trailer(syn)
+    finally:
+        syn.abort()
+        lease.release()
+        metrics.in_flight.dec()
+        await syn.aclose()
+
+
+def audio_response(body: AsyncIterator[bytes], media_type: str, syn: Synthesis,
+                   headers: Mapping[str, str] | None = None) -> AudioStreamingResponse:
+    h = {"Cache-Control": "no-store", "X-Request-Id": syn.request_id, "X-Shoal-Seed": str(syn.seed)}
+    h.update(headers or {})
+    return AudioStreamingResponse(body, media_type=media_type, headers=h)
