@@ -1,0 +1,656 @@
+"""Fused elementwise kernels for the decode step (Triton, with PyTorch references).
+
+A slow-transformer layer of the decode step runs, besides its GEMMs and the attention
+kernel, about forty small elementwise kernels (norms, residual adds, qk-norm, RoPE, K/V
+scatter, SiLU). Inside a CUDA graph each still costs a launch, so the step is
+launch-bound. The kernels here cut that to four launches per layer:
+
+* :func:`add_rmsnorm` -- ``h = x + residual``; ``normed = RMSNorm(h)`` (one program per row).
+* :func:`qk_norm_rope_write` -- from the ``wqkv`` output: per-head qk-norm, RoPE on q and
+  k, K/V scatter into the cache through a slot mapping; returns q (one launch).
+* :func:`silu_mul` -- ``silu(gate) * up`` from the fused ``w1|w3`` output.
+* :func:`fast_decode_attention` -- the fast transformer's attention over its per-row
+  10-slot cache (all rows attend to the first ``length`` positions).
+
+Numerics
+--------
+Every kernel rounds where the model code (``shoal/model/layers.py``) rounds, with the same
+operations in the same order, so elementwise results are bit-identical to PyTorch's:
+
+* bf16/fp16 ``a + b`` and ``a * b`` are computed in fp32 and rounded once to the storage
+  dtype (round to nearest even), as PyTorch does; fp32 ``a * cos - b * sin`` is two
+  rounded products and a rounded difference (the compiled kernels are built with
+  ``enable_fp_fusion=False`` so that no FMA contracts them).
+* RMSNorm (``RMSNorm`` of layers.py): ``(h * rsqrt(mean(h*h) + eps))`` rounded to h's
+  dtype, *then* multiplied by the weight and rounded again (to the promoted dtype).
+* qk-norm (``nn.RMSNorm`` = ``F.rms_norm``; PyTorch's fused implementation, checked
+  on CPU with torch 2.13 for bf16): ``h * rsqrt(mean(h*h) + eps) * w`` in fp32, rounded
+  *once*; RoPE then reads that rounded value.
+* SiLU: ``g / (1 + exp(-g))`` in fp32 (IEEE division, accurate ``expf`` -- libdevice on
+  GPU, not Triton's approximate ``exp``), rounded, then the multiply by ``up`` rounded.
+
+The only differences left are in reductions: the sum of squares of a norm is added in
+another order than PyTorch's (and ``exp`` of SiLU / ``rsqrt`` are 1-2 ulp fp32
+library functions that can differ between implementations), which moves the fp32
+result by a few ulp and therefore, rarely (~1e-4 of the elements), flips a bf16
+rounding: bf16 results of the norms are exact except for <= 1-2 bf16 ulp on those
+elements. ``fast_decode_attention`` keeps its probabilities in fp32 (SDPA's kernels
+differ among themselves): it matches the reference within attention tolerances.
+
+The mean of a norm is ``sum / n`` on CPU tensors (as PyTorch's CPU ``mean``) and
+``sum * (1/n)`` on CUDA tensors (as PyTorch's CUDA ``mean``).
+
+Triton's interpreter converts fp32 to bf16 by truncation, so every rounding to bf16 is
+done explicitly (bit arithmetic, ties to even, NaN kept) before the final cast; the same
+code therefore runs compiled and interpreted.
+
+Dispatch
+--------
+Each ``op`` has ``op_ref`` (plain PyTorch, mirrors the model code, CUDA-graph safe),
+``op_triton`` (the kernel: compiled on CUDA tensors, or interpreted on any tensors when
+Triton was imported with ``TRITON_INTERPRET=1``) and ``op`` (the kernel when it can run,
+else the reference). Launch grids depend on shapes only and nothing syncs with the host,
+so all of them can be captured in a CUDA graph (compile them once outside the capture).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+
+__all__ = [
+    "add_rmsnorm",
+    "add_rmsnorm_ref",
+    "add_rmsnorm_triton",
+    "fast_decode_attention",
+    "fast_decode_attention_ref",
+    "fast_decode_attention_triton",
+    "qk_norm_rope_write",
+    "qk_norm_rope_write_ref",
+    "qk_norm_rope_write_triton",
+    "silu_mul",
+    "silu_mul_ref",
+    "silu_mul_triton",
+    "use_triton",
+]
+
+_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether the dispatchers run the Triton kernel for tensors like ``t``."""
+    return HAS_TRITON and (t.is_cuda or triton_interpreting())
+
+
+def _check_dtype(name: str, t: Tensor) -> None:
+    if t.dtype not in _DT_CODE:
+        raise ValueError(f"{name}: unsupported dtype {t.dtype} (fp32, bf16 or fp16)")
+
+
+# --------------------------------------------------------------------------------------
+# References (mirror shoal/model/layers.py and shoal/engine/attention.py exactly)
+# --------------------------------------------------------------------------------------
+
+
+def add_rmsnorm_ref(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``h = x + residual`` (or ``x``); ``normed = RMSNorm(h)`` as in layers.RMSNorm."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    normed = hf * torch.rsqrt(torch.mean(hf * hf, dim=-1, keepdim=True) + eps)
+    return normed.type_as(h) * weight, h
+
+
+def _apply_rope_ref(x: Tensor, cs: Tensor) -> Tensor:
+    """x: [N, h, D]; cs: [N, D/2, 2] -- layers.apply_rope on a flattened token axis."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    c = cs.unsqueeze(1).float()  # [N, 1, D/2, 2]
+    cos, sin = c[..., 0], c[..., 1]
+    a, b = xs[..., 0], xs[..., 1]
+    out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    return out.flatten(2).type_as(x)
+
+
+def _split_qkv(qkv: Tensor, n_head: int, n_kv_head: int, head_dim: int):
+    if qkv.shape[-1] != (n_head + 2 * n_kv_head) * head_dim:
+        raise ValueError(
+            f"qkv last dim {qkv.shape[-1]} != (n_head + 2 * n_kv_head) * head_dim = "
+            f"{(n_head + 2 * n_kv_head) * head_dim}"
+        )
+    qkv = qkv.reshape(-1, qkv.shape[-1])
+    N = qkv.shape[0]
+    q, k, v = qkv.split([n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim], dim=-1)
+    return (q.reshape(N, n_head, head_dim), k.reshape(N, n_kv_head, head_dim),
+            v.reshape(N, n_kv_head, head_dim))
+
+
+def _flat_cache(cache: Tensor, n_kv_head: int, head_dim: int) -> Tensor:
+    if cache.dim() < 3 or tuple(cache.shape[-2:]) != (n_kv_head, head_dim):
+        raise ValueError(f"cache must be [..., H_kv={n_kv_head}, D={head_dim}], got {tuple(cache.shape)}")
+    return cache.view(-1, n_kv_head, head_dim)  # a view: writes land in the cache
+
+
+def qk_norm_rope_write_ref(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
+                           n_head, n_kv_head, head_dim):
+    """Attention.forward up to ``attend`` plus PagedKVCache.write; returns q [N, H, D].
+
+    qk-norm is ``F.rms_norm`` (what ``nn.RMSNorm`` calls), RoPE is layers.apply_rope with
+    ``cos_sin[positions]``, the cache write is ``index_copy_`` into the flattened cache
+    (slots must be valid, >= 0).
+    """
+    q, k, v = _split_qkv(qkv, n_head, n_kv_head, head_dim)
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("give both q_norm_w and k_norm_w, or neither")
+    if q_norm_w is not None:
+        q = F.rms_norm(q, (head_dim,), q_norm_w, eps)
+        k = F.rms_norm(k, (head_dim,), k_norm_w, eps)
+    cs = cos_sin[positions.reshape(-1)]
+    q = _apply_rope_ref(q, cs)
+    k = _apply_rope_ref(k, cs)
+    s = slots.reshape(-1)
+    _flat_cache(k_cache, n_kv_head, head_dim).index_copy_(0, s, k)
+    _flat_cache(v_cache, n_kv_head, head_dim).index_copy_(0, s, v)
+    return q
+
+
+def silu_mul_ref(gate_up: Tensor) -> Tensor:
+    """``F.silu(gate) * up`` for ``gate_up = cat(w1 x, w3 x)`` (FeedForward)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fast_decode_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
+                              scale: float | None = None) -> Tensor:
+    """FastCacheBackend.attend after its write: q [B, H, D] over positions [0, length) of
+    caches [>=B, C, H_kv, D]; returns [B, H, D]."""
+    B, H = q.shape[0], q.shape[1]
+    kc = k_cache[:B, :length].transpose(1, 2)
+    vc = v_cache[:B, :length].transpose(1, 2)
+    group = H // kc.shape[1]
+    if group > 1:
+        kc = kc.repeat_interleave(group, dim=1)
+        vc = vc.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q[:, :, None, :], kc, vc, scale=scale)[:, :, 0, :]
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    def _round_impl(x, DT: tl.constexpr):
+        """fp32 x -> fp32 value representable in DT (0 fp32, 1 bf16, 2 fp16), RNE."""
+        if DT == 1:
+            u = x.to(tl.uint32, bitcast=True)
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            return tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # noqa: PLR0124 (NaN)
+        elif DT == 2:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    def _add_rmsnorm_kernel(
+        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr,
+        stride_x, stride_r, stride_o, stride_h,
+        n_cols, inv_n, eps,
+        HAS_RES: tl.constexpr,
+        MEAN_DIV: tl.constexpr,
+        BLOCK: tl.constexpr,
+        HDT: tl.constexpr,
+        ODT: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < n_cols
+        h = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+            h = _round(h + r, HDT)
+            tl.store(h_ptr + row * stride_h + offs, h.to(h_ptr.dtype.element_ty), mask=m)
+        ss = tl.sum(h * h, axis=0)
+        if MEAN_DIV:
+            ms = ss / n_cols
+        else:
+            ms = ss * inv_n
+        rs = tl.math.rsqrt(ms + eps)
+        normed = _round(h * rs, HDT)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        o = _round(normed * w, ODT)
+        tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
+
+    def _qk_norm_rope_write_kernel(
+        qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
+        stride_qkv, stride_cs_p, stride_cs_i, stride_cs_c,
+        stride_q_t, stride_q_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+        inv_d, eps,
+        N_HEAD: tl.constexpr,
+        N_KV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        QK_NORM: tl.constexpr,
+        MEAN_DIV: tl.constexpr,
+        DT: tl.constexpr,
+    ):
+        # program (t, j): token t; j < N_HEAD -> query head j, else KV head j - N_HEAD
+        # (K normed + roped, V copied). Head j's columns in qkv start at j * HEAD_DIM for
+        # both q and k heads.
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        i = tl.arange(0, HALF)
+        jv = i * 0 + j  # j as a vector: masks are built from vector comparisons only
+        is_q = jv < N_HEAD
+        is_k = jv >= N_HEAD
+
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cs = cs_ptr + pos * stride_cs_p + i * stride_cs_i
+        cos = tl.load(cs).to(tl.float32)
+        sin = tl.load(cs + stride_cs_c).to(tl.float32)
+
+        src = qkv_ptr + t * stride_qkv + j * HEAD_DIM + 2 * i
+        a = tl.load(src).to(tl.float32)
+        b = tl.load(src + 1).to(tl.float32)
+        if QK_NORM:
+            wa = tl.where(is_q, tl.load(qw_ptr + 2 * i, mask=is_q, other=0.0).to(tl.float32),
+                          tl.load(kw_ptr + 2 * i, mask=is_k, other=0.0).to(tl.float32))
+            wb = tl.where(is_q, tl.load(qw_ptr + 2 * i + 1, mask=is_q, other=0.0).to(tl.float32),
+                          tl.load(kw_ptr + 2 * i + 1, mask=is_k, other=0.0).to(tl.float32))
+            ss = tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)
+            if MEAN_DIV:
+                ms = ss / HEAD_DIM
+            else:
+                ms = ss * inv_d
+            rs = tl.math.rsqrt(ms + eps)
+            a = _round(a * rs * wa, DT)
+            b = _round(b * rs * wb, DT)
+        oa = _round(a * cos - b * sin, DT)
+        ob = _round(b * cos + a * sin, DT)
+
+        qdst = q_ptr + t * stride_q_t + j * stride_q_h + 2 * i
+        tl.store(qdst, oa.to(q_ptr.dtype.element_ty), mask=is_q)
+        tl.store(qdst + 1, ob.to(q_ptr.dtype.element_ty), mask=is_q)
+
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        kvh = j - N_HEAD
+        wmask = is_k & ((i * 0 + slot) >= 0)  # negative slot: padding row, nothing written
+        kdst = kc_ptr + slot * stride_kc_s + kvh * stride_kc_h + 2 * i
+        tl.store(kdst, oa.to(kc_ptr.dtype.element_ty), mask=wmask)
+        tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=wmask)
+        d = tl.arange(0, HEAD_DIM)
+        dmask = ((d * 0 + j) >= N_HEAD) & ((d * 0 + slot) >= 0)
+        v = tl.load(qkv_ptr + t * stride_qkv + (j + N_KV) * HEAD_DIM + d, mask=dmask, other=0.0)
+        tl.store(vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d, v, mask=dmask)
+
+    def _silu_mul_kernel(
+        gu_ptr, out_ptr, stride_gu, stride_o, n_inter,
+        BLOCK: tl.constexpr,
+        DT: tl.constexpr,
+        ACCURATE_EXP: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n_inter
+        g = tl.load(gu_ptr + row * stride_gu + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * stride_gu + n_inter + offs, mask=m, other=0.0).to(tl.float32)
+        if ACCURATE_EXP:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        s = _round(tl.math.div_rn(g, 1.0 + e), DT)
+        o = _round(s * u, DT)
+        tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
+
+    def _fast_attn_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, scale,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+        stride_vb, stride_vt, stride_vh, stride_ob, stride_oh,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        LENGTH: tl.constexpr,
+        LEN_PAD: tl.constexpr,
+        DT: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, GROUP_PAD)
+        n = tl.arange(0, LEN_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        gm = g < GROUP
+        nm = n < LENGTH
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gm[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + b * stride_kb + n[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                    mask=nm[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, LEN_PAD]
+        s = tl.where(nm[None, :], s, float("-inf"))
+        mx = tl.max(s, axis=1)
+        p = tl.exp(s - mx[:, None])
+        p = tl.where(nm[None, :], p, 0.0)
+        den = tl.sum(p, axis=1)
+        v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                    mask=nm[:, None], other=0.0).to(tl.float32)
+        o = tl.sum(p[:, :, None] * v[None, :, :], axis=1) / den[:, None]
+        o = _round(o, DT)
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=gm[:, None])
+
+    # Triton fixes interpreted vs compiled mode when triton.language is imported; wrap
+    # the kernels (and the device helper they call by its global name) to match.
+    if triton_interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as _Wrap
+    else:
+        from triton.runtime.jit import JITFunction as _Wrap
+    _round = _Wrap(_round_impl)
+
+    @functools.cache
+    def _kernel(name: str):
+        return _Wrap(globals()[name])
+
+
+def _launch_opts(num_warps: int) -> dict:
+    # fp fusion off: torch computes a * c - b * s with rounded products (no FMA).
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def _require_kernel(t: Tensor) -> bool:
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    interpret = triton_interpreting()
+    if not interpret and not t.is_cuda:
+        raise RuntimeError(
+            "the compiled Triton kernels need CUDA tensors; to run them on CPU set "
+            "TRITON_INTERPRET=1 before triton is first imported"
+        )
+    return interpret
+
+
+# --------------------------------------------------------------------------------------
+# add_rmsnorm
+# --------------------------------------------------------------------------------------
+
+
+def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
+                       out: Tensor | None = None, h_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Kernel version of :func:`add_rmsnorm_ref`. ``out`` / ``h_out`` (optional) receive
+    ``normed`` / ``h``; ``h_out`` may be ``residual`` or ``x`` itself (in place)."""
+    _require_kernel(x)
+    _check_dtype("x", x)
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must have x's shape and dtype")
+    if dim > 8192:
+        raise ValueError(f"dim {dim} > 8192 is not supported (one program per row)")
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if out_dtype not in _DT_CODE:
+        raise ValueError(f"unsupported output dtype {out_dtype}")
+    x2 = x.reshape(-1, dim)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, dim)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != out_dtype:
+        raise ValueError(f"out must be {tuple(x.shape)} {out_dtype}")
+    o2 = out.view(-1, dim)
+    if residual is None:
+        h = x
+        h2 = x2
+    else:
+        h = torch.empty_like(x) if h_out is None else h_out
+        if h.shape != x.shape or h.dtype != x.dtype:
+            raise ValueError("h_out must have x's shape and dtype")
+        h2 = h.view(-1, dim)
+    if o2.stride(-1) != 1 or h2.stride(-1) != 1:
+        raise ValueError("out / h_out must be contiguous in the last dimension")
+    if rows == 0:
+        return out, h
+
+    block = _next_pow2(dim)
+    nw = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    _kernel("_add_rmsnorm_kernel")[(rows,)](
+        x2, r2 if r2 is not None else x2, w, o2, h2,
+        x2.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0), h2.stride(0),
+        dim, 1.0 / dim, float(eps),
+        HAS_RES=residual is not None,
+        MEAN_DIV=not x.is_cuda,
+        BLOCK=block,
+        HDT=_DT_CODE[x.dtype],
+        ODT=_DT_CODE[out_dtype],
+        **_launch_opts(nw),
+    )
+    return out, h
+
+
+def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
+                out: Tensor | None = None, h_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(normed, h)`` with ``h = x + residual`` (``x`` itself when ``residual`` is None,
+    not re-written) and ``normed = RMSNorm(h)`` (layers.RMSNorm numerics). Rows are all
+    leading dims; dim <= 8192."""
+    if use_triton(x):
+        return add_rmsnorm_triton(x, residual, weight, eps, out=out, h_out=h_out)
+    normed, h = add_rmsnorm_ref(x, residual, weight, eps)
+    if out is not None:
+        out.copy_(normed)
+        normed = out
+    if h_out is not None and residual is not None:
+        h_out.copy_(h)
+        h = h_out
+    return normed, h
+
+
+# --------------------------------------------------------------------------------------
+# qk_norm_rope_write
+# --------------------------------------------------------------------------------------
+
+
+def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
+                              n_head, n_kv_head, head_dim, *, q_out=None):
+    """Kernel version of :func:`qk_norm_rope_write_ref` (one launch). Negative slots are
+    skipped (nothing written for that token). ``q_out``: optional [N, H, D] output."""
+    _require_kernel(qkv)
+    _check_dtype("qkv", qkv)
+    D = head_dim
+    if D < 2 or D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two, got {D}")
+    if qkv.shape[-1] != (n_head + 2 * n_kv_head) * D:
+        raise ValueError(f"qkv last dim {qkv.shape[-1]} != (n_head + 2 * n_kv_head) * head_dim")
+    if (q_norm_w is None) != (k_norm_w is None):
+        raise ValueError("give both q_norm_w and k_norm_w, or neither")
+    qkv2 = qkv.reshape(-1, qkv.shape[-1])
+    if qkv2.stride(-1) != 1:
+        qkv2 = qkv2.contiguous()
+    N = qkv2.shape[0]
+    pos = positions.reshape(-1)
+    sl = slots.reshape(-1)
+    if pos.shape[0] != N or sl.shape[0] != N:
+        raise ValueError(f"positions and slots must have {N} entries")
+    if cos_sin.dim() != 3 or cos_sin.shape[1:] != (D // 2, 2):
+        raise ValueError(f"cos_sin must be [L, {D // 2}, 2], got {tuple(cos_sin.shape)}")
+    kc = _flat_cache(k_cache, n_kv_head, D)
+    vc = _flat_cache(v_cache, n_kv_head, D)
+    if kc.dtype != qkv.dtype or vc.dtype != qkv.dtype:
+        raise ValueError(f"cache dtype {kc.dtype} / {vc.dtype} != qkv dtype {qkv.dtype}")
+    if kc.stride(-1) != 1 or vc.stride(-1) != 1:
+        raise ValueError("caches must be contiguous in head_dim")
+    if q_out is None:
+        q_out = torch.empty((N, n_head, D), dtype=qkv.dtype, device=qkv.device)
+    elif q_out.shape != (N, n_head, D) or q_out.dtype != qkv.dtype or q_out.stride(-1) != 1:
+        raise ValueError(f"q_out must be [{N}, {n_head}, {D}] {qkv.dtype}, contiguous in D")
+    if N == 0:
+        return q_out
+    if q_norm_w is not None:
+        for name, w in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w)):
+            if w.shape != (D,):
+                raise ValueError(f"{name} must be [{D}], got {tuple(w.shape)}")
+        qw = q_norm_w.contiguous()
+        kw = k_norm_w.contiguous()
+    else:
+        qw = kw = qkv2
+    _kernel("_qk_norm_rope_write_kernel")[(N, n_head + n_kv_head)](
+        qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc,
+        qkv2.stride(0), cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
+        q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        1.0 / D, float(eps),
+        N_HEAD=n_head,
+        N_KV=n_kv_head,
+        HEAD_DIM=D,
+        HALF=D // 2,
+        QK_NORM=q_norm_w is not None,
+        MEAN_DIV=not qkv.is_cuda,
+        DT=_DT_CODE[qkv.dtype],
+        **_launch_opts(1 if D <= 128 else 2),
+    )
+    return q_out
+
+
+def qk_norm_rope_write(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
+                       n_head, n_kv_head, head_dim, *, q_out=None):
+    """qk-norm (optional) + RoPE of q and k from the ``wqkv`` output, K/V written to
+    ``k_cache`` / ``v_cache`` (``[..., H_kv, D]``, flattened to slots) at ``slots``;
+    returns q ``[N, H, D]``.
+
+    ``qkv``: ``[N, (H + 2 H_kv) D]`` (leading dims flattened); ``positions`` / ``slots``:
+    ``[N]`` int; ``cos_sin``: ``[L, D/2, 2]`` (layers.rope_table). Works for the paged
+    cache (``PagedKVCache.k(layer)``, slot = block * block_size + offset) and for the
+    fast cache (``FastCacheBackend.k[layer]``, slot = row * C + position).
+    """
+    if use_triton(qkv):
+        return qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache,
+                                         slots, n_head, n_kv_head, head_dim, q_out=q_out)
+    q = qk_norm_rope_write_ref(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
+                               n_head, n_kv_head, head_dim)
+    if q_out is not None:
+        q_out.copy_(q)
+        return q_out
+    return q
+
+
+# --------------------------------------------------------------------------------------
+# silu_mul
+# --------------------------------------------------------------------------------------
+
+
+def silu_mul_triton(gate_up: Tensor, *, out: Tensor | None = None, block: int = 1024) -> Tensor:
+    """Kernel version of :func:`silu_mul_ref`."""
+    interpret = _require_kernel(gate_up)
+    _check_dtype("gate_up", gate_up)
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"gate_up last dim must be even, got {two_i}")
+    inter = two_i // 2
+    gu = gate_up.reshape(-1, two_i)
+    if gu.stride(-1) != 1:
+        gu = gu.contiguous()
+    rows = gu.shape[0]
+    shape = (*gate_up.shape[:-1], inter)
+    if out is None:
+        out = torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device)
+    elif out.shape != shape or out.dtype != gate_up.dtype:
+        raise ValueError(f"out must be {shape} {gate_up.dtype}")
+    o2 = out.view(-1, inter)
+    if o2.stride(-1) != 1:
+        raise ValueError("out must be contiguous in the last dimension")
+    if rows == 0 or inter == 0:
+        return out
+    block = min(block, _next_pow2(inter))
+    _kernel("_silu_mul_kernel")[(rows, triton.cdiv(inter, block))](
+        gu, o2, gu.stride(0), o2.stride(0), inter,
+        BLOCK=block,
+        DT=_DT_CODE[gate_up.dtype],
+        # libdevice has no interpreter implementation; the interpreter's exp is numpy's.
+        ACCURATE_EXP=not interpret,
+        **_launch_opts(4 if block >= 512 else 1),
+    )
+    return out
+
+
+def silu_mul(gate_up: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``silu(gate) * up`` for ``gate_up = cat(gate, up)`` along the last dim."""
+    if use_triton(gate_up):
+        return silu_mul_triton(gate_up, out=out)
+    res = silu_mul_ref(gate_up)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+# --------------------------------------------------------------------------------------
+# fast_decode_attention
+# --------------------------------------------------------------------------------------
+
+
+def fast_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
+                                 scale: float | None = None, *, out: Tensor | None = None) -> Tensor:
+    """Kernel version of :func:`fast_decode_attention_ref`; ``length`` is a compile-time
+    constant (one specialisation per position of the fast loop)."""
+    _require_kernel(q)
+    _check_dtype("q", q)
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("q must be [B, H, D], k_cache / v_cache [rows, C, H_kv, D]")
+    B, H, D = q.shape
+    rows, C, H_kv, Dk = k_cache.shape
+    length = int(length)
+    if Dk != D or H % H_kv or rows < B or not 1 <= length <= C:
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, length {length}")
+    if D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two, got {D}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError("q and caches must share a dtype")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches must be contiguous in head_dim")
+    if out is None:
+        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    elif out.shape != (B, H, D) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{B}, {H}, {D}] {q.dtype}, contiguous in D")
+    if B == 0:
+        return out
+    group = H // H_kv
+    _kernel("_fast_attn_kernel")[(B, H_kv)](
+        q, k_cache, v_cache, out, float(D ** -0.5 if scale is None else scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        GROUP=group,
+        GROUP_PAD=_next_pow2(group),
+        HEAD_DIM=D,
+        LENGTH=length,
+        LEN_PAD=max(2, _next_pow2(length)),
+        DT=_DT_CODE[q.dtype],
+        **_launch_opts(4),
+    )
+    return out
+
+
+def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
+                          scale: float | None = None, *, out: Tensor | None = None) -> Tensor:
+    """Attention of q ``[B, H, D]`` over positions ``[0, length)`` of the per-row caches
+    ``[rows >= B, C, H_kv, D]`` (row b for query b; GQA); returns ``[B, H, D]``."""
+    if use_triton(q):
+        return fast_decode_attention_triton(q, k_cache, v_cache, length, scale, out=out)
+    res = fast_decode_attention_ref(q, k_cache, v_cache, length, scale)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
