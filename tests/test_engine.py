@@ -213,3 +213,18 @@ def test_dialogue_outgrowing_the_context_fails_only_that_request(s2, voice):
     assert done["long"].reason == "error" and "context" in done["long"].error
     assert done["ok"].reason == "length"
     assert eng.pool.num_seqs == 0
+
+
+def test_fused_kernel_path_equals_reference_loop(tiny_s2_checkpoint, voice):
+    """The fused decode path (Triton kernels on GPU; their PyTorch references here) gives the
+    same codes as the plain layer code of the reference loop."""
+    model, tok = load_dualar(tiny_s2_checkpoint, dtype=torch.float32)
+    want = {f"f{i}": solo(model, tok, i, voice, SAMPLED if i % 2 else GREEDY, i, 10) for i in range(4)}
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=4, num_blocks=64, fused_kernels=True))
+    assert model.fused
+    for i in range(4):
+        eng.add_request(EngineRequest(session=session(tok, i, voice), params=SAMPLED if i % 2 else GREEDY,
+                                      seed=i, max_new_tokens=10, request_id=f"f{i}"))
+    done, _ = run(eng)
+    for rid, codes in want.items():
+        assert np.array_equal(done[rid].codes, codes), rid

@@ -59,6 +59,13 @@ class PagedDecodeBackend:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.slots, k[:, 0], v[:, 0])
+        return self.attend_only(layer, q)
+
+    # fused path: the qk-norm/RoPE kernel writes K/V itself
+    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.cache.k(layer), self.cache.v(layer), self.slots
+
+    def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = paged_decode_attention(q[:, 0], self.cache.k(layer), self.cache.v(layer),
                                      self.block_tables, self.context_lens, self.scale)
         return out[:, None]
@@ -110,6 +117,19 @@ class FastCacheBackend:
         self.v = torch.zeros_like(self.k)
         self.group = n_heads // n_kv_heads
         self.position = 0
+        self._rows = 0  # batch rows of the current step (fused path)
+
+    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        B = self._rows
+        slots = torch.arange(B, device=self.k.device) * self.k.shape[2] + self.position
+        return self.k[layer], self.v[layer], slots
+
+    def attend_only(self, layer: int, q: Tensor) -> Tensor:
+        from ..kernels.fused import fast_decode_attention
+
+        B = q.shape[0]
+        out = fast_decode_attention(q[:, 0], self.k[layer, :B], self.v[layer, :B], self.position + 1)
+        return out[:, None]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         B, p = q.shape[0], self.position

@@ -30,6 +30,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.85  # of the memory free after weights (CUDA)
     prefill_chunk: int = 1024  # prompt tokens per step
     cuda_graphs: bool = True
+    fused_kernels: bool | None = None  # fused Triton decode kernels (default: on CUDA)
     enable_prefix_cache: bool = True
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
@@ -44,6 +45,8 @@ class Engine:
         dev = model.device
         on_cuda = dev.type == "cuda"
         max_running = cfg.max_running or (128 if on_cuda else 16)
+        if cfg.fused_kernels if cfg.fused_kernels is not None else on_cuda:
+            model.enable_fused_kernels()
         self.max_seq_len = min(cfg.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         max_blocks_per_seq = -(-self.max_seq_len // cfg.block_size)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)

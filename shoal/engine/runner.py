@@ -141,6 +141,7 @@ class ModelRunner:
         code0 = torch.where(idx < self.n_sem, idx, torch.zeros_like(idx))
         codes = [code0]
         fb = self.fast_backend
+        fb._rows = B
         fb.position = 0
         model.forward_fast(fast_in, 0, fb, n_out=0)
         e = model.fast_embeddings(code0)

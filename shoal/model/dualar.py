@@ -115,6 +115,58 @@ class DualAR(nn.Module):
             raise RuntimeError("call set_allowed_tokens() first")
         return nn.functional.linear(normed, self.allowed_head)
 
+    # ----------------------------------------------------------------- fused path
+    def enable_fused_kernels(self, enabled: bool = True) -> None:
+        """Use the fused Triton kernels (add+RMSNorm, qk-norm+RoPE+KV write, SiLU*mul) with
+        backends that support it (the engine's decode and fast caches). Concatenates w1|w3 into
+        one GEMM per MLP; w1/w3 become views into it (no extra memory)."""
+        self.fused = enabled
+        if not enabled:
+            return
+        for layer in list(self.layers) + list(self.fast_layers):
+            ff = layer.feed_forward
+            if getattr(ff, "w13", None) is None:
+                inter = ff.w1.weight.shape[0]
+                w13 = torch.cat([ff.w1.weight, ff.w3.weight], dim=0)
+                ff.w13 = w13
+                ff.w1.weight = nn.Parameter(w13[:inter], requires_grad=False)
+                ff.w3.weight = nn.Parameter(w13[inter:], requires_grad=False)
+
+    def _layers_fused(self, x: Tensor, layers: nn.ModuleList, positions: Tensor, rope: Tensor,
+                      backend) -> tuple[Tensor, Tensor]:
+        """Run ``layers`` with fused kernels; returns (last hidden h, h's final residual sum).
+        Numerically the same sequence as Block.forward (same roundings)."""
+        from ..kernels.fused import add_rmsnorm, qk_norm_rope_write, silu_mul
+
+        eps = self.config.norm_eps
+        B, S, D = x.shape
+        N = B * S
+        pos = positions.reshape(N)
+        h = x.reshape(N, D)
+        normed, h = add_rmsnorm(h, None, layers[0].attention_norm.weight, eps)
+        for i, layer in enumerate(layers):
+            att = layer.attention
+            sh = att.shape
+            qkv = att.wqkv(normed)
+            k_cache, v_cache, slots = backend.fused_target(i)
+            q = qk_norm_rope_write(qkv, pos, rope,
+                                   att.q_norm.weight if sh.qk_norm else None,
+                                   att.k_norm.weight if sh.qk_norm else None, eps,
+                                   k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim)
+            y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
+            a = att.wo(y.reshape(N, sh.q_size))
+            normed, h = add_rmsnorm(a, h, layer.ffn_norm.weight, eps)
+            ff = layer.feed_forward
+            f = ff.w2(silu_mul(nn.functional.linear(normed, ff.w13)))
+            if i + 1 < len(layers):
+                normed, h = add_rmsnorm(f, h, layers[i + 1].attention_norm.weight, eps)
+            else:
+                h = h + f
+        return h.view(B, S, D)
+
+    def _use_fused(self, backend) -> bool:
+        return getattr(self, "fused", False) and hasattr(backend, "fused_target")
+
     def forward_slow(self, grid: Tensor, positions: Tensor, backend: AttentionBackend,
                      last_index: Tensor | None = None, head: str | None = "full") -> SlowOutput:
         """grid [B, 1+C, S], positions [B, S]; the backend must already be bound to positions.
@@ -123,9 +175,12 @@ class DualAR(nn.Module):
         ``head``: "full" (whole vocabulary), "allowed" (see :meth:`set_allowed_tokens`) or None.
         """
         x = self.embed(grid)
-        cos_sin = self.slow_rope[positions]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, backend, i)
+        if self._use_fused(backend):
+            x = self._layers_fused(x, self.layers, positions, self.slow_rope, backend)
+        else:
+            cos_sin = self.slow_rope[positions]
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos_sin, backend, i)
         B, S, _ = x.shape
         if last_index is None:
             last = x[:, -1]
@@ -148,9 +203,13 @@ class DualAR(nn.Module):
         [B, n_out] (the first ``n_out`` codes; default all; 0 skips the head and returns None).
         The backend must be bound to positions ``[[position]] * B``."""
         h = x.unsqueeze(1)
-        cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
-        for i, layer in enumerate(self.fast_layers):
-            h = layer(h, cos_sin, backend, i)
+        if self._use_fused(backend):
+            pos = torch.full((h.shape[0], 1), position, dtype=torch.long, device=h.device)
+            h = self._layers_fused(h, self.fast_layers, pos, self.fast_rope, backend)
+        else:
+            cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
+            for i, layer in enumerate(self.fast_layers):
+                h = layer(h, cos_sin, backend, i)
         if n_out == 0:
             return None
         w = self.fast_output.weight if n_out is None else self.fast_output.weight[:n_out]
