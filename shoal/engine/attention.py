@@ -74,37 +74,52 @@ class PagedDecodeBackend:
 class PagedPrefillBackend:
     """Prompt chunks of several sequences packed into one token axis (B = 1, N tokens).
 
-    The projections and MLPs run once over all N tokens; attention runs per segment, each over
-    its own cached prefix plus its chunk (causal)."""
+    The projections and MLPs run once over all N tokens; attention runs per segment: a chunk
+    that starts a sequence attends to itself (causal, flash-capable SDPA, no gather); a later
+    chunk attends to its cached prefix (gathered from its blocks) plus itself."""
 
     def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int) -> None:
         self.cache = cache
-        self.group = n_heads // n_kv_heads
+        self.gqa = n_heads != n_kv_heads
         self.slots: Tensor | None = None
-        self.segments: list[tuple[int, int, Tensor, int, Tensor]] = []
+        self.segments: list[tuple[int, int, Tensor, int, Tensor | None]] = []
 
     def set(self, slots: Tensor, segments: list[tuple[int, int, Tensor, int, int]]) -> None:
         """``segments``: (offset in N, length, block ids, start position, end position)."""
         self.slots = slots
         self.segments = []
         for off, n, blocks, start, end in segments:
-            keys = torch.arange(end, device=slots.device)
-            queries = torch.arange(start, end, device=slots.device)
-            mask = (keys[None, :] <= queries[:, None])[None, None]
+            mask = None
+            if start > 0:
+                keys = torch.arange(end, device=slots.device)
+                queries = torch.arange(start, end, device=slots.device)
+                mask = (keys[None, :] <= queries[:, None])[None, None]
             self.segments.append((off, n, blocks, end, mask))
+
+    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.cache.k(layer), self.cache.v(layer), self.slots
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.slots, k[0], v[0])
+        return self.attend_only(layer, q)
+
+    def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = torch.empty_like(q)
         kl, vl = self.cache.k(layer), self.cache.v(layer)
+        kflat = kl.view(-1, *kl.shape[2:])
+        vflat = vl.view(-1, *vl.shape[2:])
         for off, n, blocks, end, mask in self.segments:
-            kc = kl[blocks].flatten(0, 1)[:end].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
-            vc = vl[blocks].flatten(0, 1)[:end].transpose(0, 1)[None]
-            if self.group > 1:
-                kc = kc.repeat_interleave(self.group, dim=1)
-                vc = vc.repeat_interleave(self.group, dim=1)
             qs = q[:, off: off + n].transpose(1, 2)
-            out[:, off: off + n] = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask).transpose(1, 2)
+            if mask is None:  # the chunk is the whole context so far: read back its own K/V
+                sl = self.slots[off: off + n]
+                kc = kflat[sl].transpose(0, 1)[None]
+                vc = vflat[sl].transpose(0, 1)[None]
+                y = F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, enable_gqa=self.gqa)
+            else:
+                kc = kl[blocks].flatten(0, 1)[:end].transpose(0, 1)[None]  # [1, H_kv, ctx, D]
+                vc = vl[blocks].flatten(0, 1)[:end].transpose(0, 1)[None]
+                y = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, enable_gqa=self.gqa)
+            out[:, off: off + n] = y.transpose(1, 2)
         return out
 
 

@@ -63,4 +63,5 @@ def create_app(service: TTSService, config: ServerConfig | None = None, *,
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     for router in (tts_router, openai_router, health_router, wallet_router, metrics_router):
         app.include_router(router)
+    from .playground import router as playground_router; app.include_router(playground_router)  # noqa: E702
     return app
