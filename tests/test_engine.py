@@ -228,3 +228,24 @@ def test_fused_kernel_path_equals_reference_loop(tiny_s2_checkpoint, voice):
     done, _ = run(eng)
     for rid, codes in want.items():
         assert np.array_equal(done[rid].codes, codes), rid
+
+
+def test_prefill_only_request_warms_the_prefix_cache(s2, voice):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64))
+    full = session(tok, 1, voice).grid()
+    eng.add_request(EngineRequest(session=GridSessionFor(full[:, :60]), prefill_only=True, request_id="warm"))
+    done, _ = run(eng)
+    assert done["warm"].reason == "prefilled" and done["warm"].codes.shape == (10, 0)
+    assert eng.pool.num_seqs == 0
+    before = eng.pool.hit_tokens
+    eng.add_request(EngineRequest(session=session(tok, 1, voice), params=GREEDY, max_new_tokens=3,
+                                  request_id="real"))
+    done, _ = run(eng)
+    assert eng.pool.hit_tokens - before >= 48
+    assert np.array_equal(done["real"].codes, solo(model, tok, 1, voice, GREEDY, 0, 3))
+
+
+def GridSessionFor(grid):
+    from shoal.engine.request import GridSession
+    return GridSession(grid)

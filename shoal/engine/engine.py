@@ -234,6 +234,9 @@ class Engine:
             req.num_computed = end
             if end < seq.shape[1]:
                 continue
+            if req.prefill_only:  # realtime warm-up: the prompt's full blocks stay cached
+                self._finish(req, "prefilled", events)
+                continue
             req.status = Status.DECODE
             full = self._full(req)
             gen = np.stack(req.new_columns, axis=1) if req.new_columns else None

@@ -79,6 +79,8 @@ class EngineRequest:
     audio_schedule: ChunkSchedule | None = None  # audio chunk sizes; None = the engine's
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     ignore_eos: bool = False  # benchmarks: <|im_end|> does not stop (its frame counts)
+    prefill_only: bool = False  # compute the prompt's K/V into the prefix cache, then finish
+
 
     # ------------------------------------------------------------------ runtime state
     status: Status = Status.WAITING
