@@ -1,0 +1,86 @@
+"""Where does a decode step's GPU time go? Profiles the decode step (eager, same kernels as the
+captured graph) at S2-Pro shapes and prints the top kernels by CUDA time, plus the graph-replay
+time of the same step.
+
+    python -m shoal.bench.profile_step --batch 1,64 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engine.engine import Engine, EngineConfig
+from ..engine.request import EngineRequest, GridSession
+from ..engine.sampling import SamplingParams
+from .random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", default="1,64")
+    p.add_argument("--context", type=int, default=700)
+    p.add_argument("--out", default="profile-out")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = s2_pro_config(4096)
+    model = random_dualar(cfg, "cuda", torch.bfloat16)
+    report = {}
+    for B in [int(b) for b in args.batch.split(",")]:
+        eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=max(B, 1), max_seq_len=4096,
+                                                           num_blocks=B * 64 + 64, graph_buckets=None))
+        rng = np.random.default_rng(0)
+        for i in range(B):
+            eng.add_request(EngineRequest(session=GridSession(random_prompt(cfg, args.context - 200, 200, rng)),
+                                          params=SamplingParams(temperature=0.8, top_p=0.8, top_k=30), seed=i,
+                                          max_new_tokens=10_000, ignore_eos=True))
+        while eng.num_running < B or any(r.status.value != "decode" for r in eng.scheduler.running):
+            eng.step()
+        slots = [r.slot for r in eng.scheduler.running]
+        runner = eng.runner
+        ids = torch.tensor(slots + [runner.scratch_slot] * 0, dtype=torch.long, device="cuda")
+        runner.slot_ids[:B].copy_(ids)
+        with torch.inference_mode():
+            for _ in range(3):
+                runner._decode_body(B)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    runner._decode_body(B)
+                torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        events = [(e.key, e.cuda_time_total / 5, e.count / 5) for e in prof.key_averages()]
+        events.sort(key=lambda e: -e[1])
+        total = sum(e[1] for e in events)
+        # graph replay time of the same step
+        runner.capture_graphs(show_progress=False)
+        g = runner.graphs[runner.bucket_for(B)]
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - t) / 20 * 1e3
+        n_kernels = sum(e[2] for e in events)
+        print(f"=== batch {B}: kernel time {total / 1e3:.2f} ms/step over {n_kernels:.0f} kernels; "
+              f"graph replay {replay_ms:.2f} ms/step", flush=True)
+        print(table, flush=True)
+        report[B] = {"kernel_ms": total / 1e3, "kernels": n_kernels, "replay_ms": replay_ms,
+                     "top": [{"name": k[:120], "us": us, "count": c} for k, us, c in events[:40]]}
+        del eng
+        torch.cuda.empty_cache()
+    (out / "profile_step.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
