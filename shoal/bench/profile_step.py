@@ -27,15 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,64")
     p.add_argument("--context", type=int, default=700)
     p.add_argument("--out", default="profile-out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = s2_pro_config(4096)
-    model = random_dualar(cfg, "cuda", torch.bfloat16)
+    from .random_model import tiny_config
+
+    cfg = s2_pro_config(4096) if args.shape == "s2-pro" else tiny_config()
+    dev = torch.device(args.device)
+    model = random_dualar(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     report = {}
     for B in [int(b) for b in args.batch.split(",")]:
         eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=max(B, 1), max_seq_len=4096,
-                                                           num_blocks=B * 64 + 64, graph_buckets=None))
+                                                           num_blocks=B * 64 + 64))
         rng = np.random.default_rng(0)
         for i in range(B):
             eng.add_request(EngineRequest(session=GridSession(random_prompt(cfg, args.context - 200, 200, rng)),
@@ -45,20 +50,27 @@ def main(argv: list[str] | None = None) -> int:
             eng.step()
         slots = [r.slot for r in eng.scheduler.running]
         runner = eng.runner
-        ids = torch.tensor(slots + [runner.scratch_slot] * 0, dtype=torch.long, device="cuda")
+        ids = torch.tensor(slots, dtype=torch.long, device=dev)
         runner.slot_ids[:B].copy_(ids)
         with torch.inference_mode():
             for _ in range(3):
                 runner._decode_body(B)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+            sync()
+            acts = [torch.profiler.ProfilerActivity.CUDA if dev.type == "cuda" else torch.profiler.ProfilerActivity.CPU]
+            with torch.profiler.profile(activities=acts) as prof:
                 for _ in range(5):
                     runner._decode_body(B)
-                torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-        events = [(e.key, e.cuda_time_total / 5, e.count / 5) for e in prof.key_averages()]
+                sync()
+        table = prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total",
+                                          row_limit=25)
+        attr = "cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        events = [(e.key, getattr(e, attr) / 5, e.count / 5) for e in prof.key_averages()]
         events.sort(key=lambda e: -e[1])
         total = sum(e[1] for e in events)
+        if dev.type != "cuda":
+            report[B] = {"kernel_ms": total / 1e3, "kernels": sum(e[2] for e in events)}
+            continue
         # graph replay time of the same step
         runner.capture_graphs(show_progress=False)
         g = runner.graphs[runner.bucket_for(B)]
