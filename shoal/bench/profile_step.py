@@ -62,10 +62,14 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(5):
                     runner._decode_body(B)
                 sync()
-        table = prof.key_averages().table(sort_by="cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total",
+        table = prof.key_averages().table(sort_by="self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total",
                                           row_limit=25)
-        attr = "cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        events = [(e.key, getattr(e, attr) / 5, e.count / 5) for e in prof.key_averages()]
+        def dev_time(e) -> float:
+            if dev.type != "cuda":
+                return e.self_cpu_time_total
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+        events = [(e.key, dev_time(e) / 5, e.count / 5) for e in prof.key_averages()]
         events.sort(key=lambda e: -e[1])
         total = sum(e[1] for e in events)
         if dev.type != "cuda":
