@@ -86,18 +86,13 @@ class Scheduler:
         self.waiting.sort(key=self._urgency)
         while self.waiting:
             req = self.waiting[0]
-            if not self.free_slots:
-                victim = self._victim(req)
-                if victim is None:
-                    break
-                self.preempt(victim)
-                plan.preempted.append(victim)
-                self.waiting.sort(key=self._urgency)
-                continue
-            seq = sequence_of(req)
-            try:
-                match = self.pool.allocate_prompt(req.request_id, seq)
-            except NoFreeBlocks:
+            match = None
+            if self.free_slots:
+                try:
+                    match = self.pool.allocate_prompt(req.request_id, sequence_of(req))
+                except NoFreeBlocks:
+                    pass
+            if match is None:  # no slot or no blocks: make room from a less urgent request
                 victim = self._victim(req)
                 if victim is None:
                     break
