@@ -206,9 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     dec.set_defaults(func=cmd_codec)
     from .batch import add_batch_parser
     from .server.cli import add_serve_parser
+    from .voices.cli import add_voices_parser
 
     add_batch_parser(sub)
     add_serve_parser(sub)
+    add_voices_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)

@@ -64,4 +64,6 @@ def create_app(service: TTSService, config: ServerConfig | None = None, *,
     for router in (tts_router, openai_router, health_router, wallet_router, metrics_router):
         app.include_router(router)
     from .playground import router as playground_router; app.include_router(playground_router)  # noqa: E702
+    from .voices_api import install_voices; install_voices(app, service, config)  # noqa: E702  (voice library)
+    from .live import router as live_router; app.include_router(live_router)  # noqa: E702  # WS /v1/tts/live
     return app

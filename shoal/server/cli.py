@@ -44,9 +44,21 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="clamp every request's max_new_tokens (frames per text batch) to N")
     p.add_argument("--max-seq-len", type=int, default=None, metavar="N",
                    help="cap the model context (default: the model's)")
+    p.add_argument("--voices-dir", default=None, metavar="DIR",  # voice library (shoal.server.voices_api)
+                   help="voice library for /model and reference_id (default: $SHOAL_VOICES or "
+                        "~/.local/share/shoal/voices, shared with `shoal voices`; 'none' disables it)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
     return p
+
+
+def _voices_dir(arg: str | None) -> str | None:
+    """--voices-dir: the default library when absent, None (disabled) for 'none' or ''."""
+    if arg is None:
+        from ..voices.store import default_voices_dir
+
+        return str(default_voices_dir())
+    return None if arg.strip().lower() in ("", "none") else arg
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -64,6 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         max_pending=args.max_pending,
         max_new_tokens_cap=args.max_new_tokens_cap,
+        voices_dir=_voices_dir(args.voices_dir),
     )
     config.validate()
     if args.checkpoint:

@@ -19,6 +19,8 @@ class ServerConfig:
     # OpenAI route: `pcm` is 24 kHz s16le like OpenAI's (clients assume it) unless the body
     # sets `sample_rate`; the other formats carry their rate and keep the encoder's default
     openai_pcm_sample_rate: int = 24_000
+    # voice library (shoal.server.voices_api): /model + reference_id; None = no library
+    voices_dir: str | None = None
 
     @property
     def auth_enabled(self) -> bool:

@@ -65,6 +65,9 @@ class Metrics:
                               ["route"], buckets=TTFA_BUCKETS, registry=r)
         self.in_flight = Gauge("shoal_requests_in_flight", "Synthesis requests being served", registry=r)
         self.audio_seconds = Counter("shoal_audio_seconds", "Seconds of audio sent", registry=r)
+        # --- live TTS (shoal/server/live.py): WS /v1/tts/live, first `text` -> first `audio` frame
+        self.live_ttfa = Histogram("shoal_live_time_to_first_audio_seconds", "WS /v1/tts/live: first "
+                                   "text event to first audio frame", buckets=TTFA_BUCKETS, registry=r)
         r.register(_EngineCollector(snapshot))
 
     def render(self) -> tuple[bytes, str]:
