@@ -214,18 +214,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)
-    bench.add_argument("which", choices=["engine", "attention"], help="which benchmark")
+    bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "profile"],
+                       help="engine: concurrency sweep; serve: HTTP load on a running server; gate: perf "
+                            "regression gate; live: WebSocket TTFA sweep; attention/fused/profile: kernels")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark options (see shoal bench WHICH -h)")
     bench.set_defaults(func=cmd_bench)
     return parser
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.which == "engine":
-        from .bench.engine import main as bench_main
-    else:
-        from .bench.kernels_attention import main as bench_main
-    return bench_main(args.rest)
+    import importlib
+
+    module = {"engine": "engine", "serve": "serve", "gate": "gate", "live": "live",
+              "attention": "kernels_attention", "fused": "kernels_fused", "profile": "profile_step"}[args.which]
+    return importlib.import_module(f".bench.{module}", __package__).main(args.rest)
 
 
 def main(argv: list[str] | None = None) -> int:
