@@ -45,13 +45,13 @@ from typing import Any
 
 import numpy as np
 import ormsgpack
-from fastapi import APIRouter, WebSocket
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from ..engine.async_engine import EngineStopped
 from ..engine.request import EngineRequest, FinishEvent, GridSession, Priority
-from ..text import Reference, build_session, encode_parts
+from ..text import SPEAKER_TAG_RE, Reference, build_session, encode_parts
 from ..text.prompt import TextPart, VQPart
 from .errors import APIError, error_body, format_validation_errors
 from .limits import check_text_length
@@ -119,12 +119,14 @@ class TextSegmenter:
     end of the buffer; a ``.`` right after a digit at the end of the buffer waits for the next
     text (``3.`` may become ``3.14``). A buffer longer than ``max_bytes`` UTF-8 bytes is cut at
     the last ``,;:`` or space within the limit (else at the limit). :meth:`flush` returns the
-    rest.
+    rest. In an S2 dialogue (``<|speaker:N|>`` tags) a segment that does not start with a tag
+    is given the tag of the speaker still talking.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
         self.buffer = ""
+        self.speaker: str | None = None  # the last <|speaker:N|> tag seen
 
     def feed(self, text: str) -> list[str]:
         self.buffer += text
@@ -135,13 +137,26 @@ class TextSegmenter:
                 cut = self._soft_cut()
             if cut is None:
                 return out
-            seg, self.buffer = self.buffer[:cut].strip(), self.buffer[cut:]
+            seg, self.buffer = self.buffer[:cut], self.buffer[cut:]
+            seg = self._tagged(seg)
             if seg:
                 out.append(seg)
 
     def flush(self) -> list[str]:
-        seg, self.buffer = self.buffer.strip(), ""
+        seg, self.buffer = self._tagged(self.buffer), ""
         return [seg] if seg else []
+
+    def _tagged(self, seg: str) -> str:
+        """Strip; a dialogue's segment without a leading speaker tag gets the current speaker's."""
+        seg = seg.strip()
+        if not seg:
+            return seg
+        tags = SPEAKER_TAG_RE.findall(seg)
+        if self.speaker is not None and not SPEAKER_TAG_RE.match(seg):
+            seg = self.speaker + seg
+        if tags:
+            self.speaker = tags[-1]
+        return seg
 
     def _sentence_end(self) -> int | None:
         buf = self.buffer
@@ -239,6 +254,10 @@ class _Gone(Exception):
     """The client went away (a send failed or a disconnect arrived)."""
 
 
+# what a send to a client that went away raises (Starlette: WebSocketDisconnect for an
+# OSError underneath; RuntimeError once the socket is closed)
+_SEND_ERRORS = (WebSocketDisconnect, OSError, RuntimeError)
+
 _STOP = object()
 _DRAIN = object()  # after a flush: push the encoder's held tail out when nothing follows
 
@@ -281,7 +300,6 @@ class LiveSession:
         self.references: list[Reference] = []
         self.params = None
         self.seed = 0
-        self.prefix_tokens = 0
 
     # -------------------------------------------------------------- sending
     async def send(self, event: dict[str, Any]) -> None:
@@ -291,7 +309,7 @@ class LiveSession:
                 raise _Gone()
             try:
                 await self.ws.send_bytes(data)
-            except Exception:
+            except _SEND_ERRORS:
                 self.finished = True
                 raise _Gone() from None
 
@@ -318,8 +336,8 @@ class LiveSession:
             try:
                 await self.ws.send_bytes(ormsgpack.packb(event))
                 await self.ws.close(code)
-            except Exception:  # the client is gone already
-                pass
+            except _SEND_ERRORS:
+                log.debug("live socket: the client left before the finish frame")
 
     # -------------------------------------------------------------- the receive loop
     @property
@@ -520,7 +538,6 @@ class LiveSession:
                                                self.references, body.chunk_length)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e)) from None
-            self.prefix_tokens = int(grid.shape[1])
             if grid.shape[1] >= 2:
                 self.prefill = asyncio.ensure_future(self.prefill_prefix(grid))
 
