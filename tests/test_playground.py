@@ -329,7 +329,8 @@ def page(browser) -> Iterator[Page]:
 
 
 def voice_list_404(url: str) -> bool:
-    """The page asks for GET /model (the voice library); a server without one answers 404."""
+    """The page asks for GET /model (the voice library); a server without one answers 501
+    (401 before the API key is entered)."""
     return "/model?" in url
 
 
@@ -394,12 +395,14 @@ def test_static_files_are_package_data():
 def test_streams_plays_and_downloads(server, page, tmp_path):
     page.navigate(server.url + "/")
     assert wait_until(lambda: page.js("document.getElementById('server').dataset.state") == "ready")
-    # no voice library on this server: GET /model is a 404, handled; only "default" is offered
-    assert wait_until(lambda: "no voice library" in page.text_of("#voice-note"))
-    assert page.js("[...document.getElementById('voice').options].map(o => o.textContent)") == ["default"]
-
+    # the server wants a key: the voice list asks for it, then finds no voice library (501)
+    assert wait_until(lambda: "enter the API key" in page.text_of("#voice-note")), page.text_of("#voice-note")
     page.type_into("#text", TEXT)
     page.type_into("#api-key", KEY)
+    page.js("window.shoalPlayground.loadVoices()")
+    assert wait_until(lambda: "voice library" in page.text_of("#voice-note")), page.text_of("#voice-note")
+    assert page.js("[...document.getElementById('voice').options].map(o => o.textContent)") == ["default"]
+
     page.choose("#latency", "low")
     page.type_into("#max-frames", str(FRAMES))
     page.type_into("#seed", "7")
@@ -482,6 +485,7 @@ def test_reference_upload_and_voice_list(service, page, tmp_path):
         return {"total": 1, "items": [{"_id": "alice-1", "title": "Alice"}]}
 
     app.add_api_route("/model", models, methods=["GET"])
+    app.router.routes.insert(0, app.router.routes.pop())  # ahead of the built-in /model routes
     srv = LiveServer(app)
     try:
         page.navigate(srv.url + "/")

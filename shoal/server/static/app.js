@@ -460,8 +460,12 @@
     ui.voiceNote.textContent = '';
     try {
       const resp = await fetch('model?page_size=100', { cache: 'no-store', headers: authHeaders() });
-      if (resp.status === 404) {
+      if (resp.status === 404 || resp.status === 501) {  // 501: server started without --voices-dir
         ui.voiceNote.textContent = 'no voice library on this server';
+        return;
+      }
+      if (resp.status === 401 || resp.status === 403) {  // listed again when the key changes
+        ui.voiceNote.textContent = 'enter the API key to list voices';
         return;
       }
       if (!resp.ok) {
