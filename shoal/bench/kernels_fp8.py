@@ -1,0 +1,214 @@
+"""GPU check + micro-benchmark of the block-scaled FP8 GEMM (shoal.kernels.fp8) at S2-Pro shapes.
+
+    python -m shoal.bench.kernels_fp8 [--out DIR] [--ms 1,2,4,...] [--shapes wqkv,...] [--iters 20]
+
+For every S2-Pro GEMM (wqkv 6144x2560, wo 2560x4096, gate_up 19456x2560, down 2560x9728,
+semantic head 4097x2560, fast head 1024x2560) and every M in --ms:
+
+* **check**: ours (``fp8_gemm``) vs ``fp8_gemm_ref`` (max |diff| / max |ref|; expected
+  <= 1 bf16 ulp-ish, i.e. < 2^-7) and the cosine vs the bf16 product.
+* **timing** (microseconds per call, median of ``--iters`` CUDA-graph replays, each replay
+  running one call per weight copy, the copies totalling >= 256 MB (H200 L2: 50 MB), so
+  weights are read cold from HBM):
+  - ``fp8``: our GEMM alone (activation pre-quantized);
+  - ``fp8+q``: activation quantize + GEMM (what a linear layer costs);
+  - ``bf16``: ``F.linear`` (cuBLAS) on bf16 weights;
+  - ``scaled_mm``: ``torch._scaled_mm`` rowwise (per-token x per-channel fp32 scales), if
+    this torch/GPU supports it (M padded to a multiple of 16 when required).
+  Effective TB/s = (weight + activation + output bytes) / time.
+
+A failing cell is printed and recorded, and the run continues. Prints a table; with --out
+writes ``DIR/kernels_fp8.json``. Aims at < 3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels import fp8
+
+SHAPES = {  # name -> (N, K)
+    "wqkv": (6144, 2560),
+    "wo": (2560, 4096),
+    "gate_up": (19456, 2560),
+    "down": (2560, 9728),
+    "semantic_head": (4097, 2560),
+    "fast_head": (1024, 2560),
+}
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
+COLD_BYTES = 256 << 20  # rotate weight copies totalling >= this (H200 L2 is 50 MB)
+
+
+def _log(*a):
+    print(*a, flush=True)
+
+
+def _copies(nbytes: int, cap: int = 128) -> int:
+    return max(2, min(cap, -(-COLD_BYTES // max(1, nbytes))))
+
+
+def time_graph(fns, iters: int) -> float:
+    """fns: list of zero-arg callables (one per weight copy). Captures one pass over all of
+    them in a CUDA graph; returns the median microseconds per call over ``iters`` replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:  # warm-up / compile outside the capture
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(fns))
+    del g
+    return statistics.median(times)
+
+
+def _scaled_mm_available() -> bool:
+    return hasattr(torch, "_scaled_mm") and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
+    dev = "cuda"
+    torch.manual_seed(0)
+    w = (torch.randn(N, K, device=dev) * K ** -0.5).bfloat16()
+    Wq, Ws = fp8.quantize_weight_ref(w)
+    n8 = _copies(Wq.numel())
+    n16 = _copies(w.numel() * 2)
+    wq_copies = [(Wq.clone(), Ws.clone()) for _ in range(n8)]
+    w_copies = [w.clone() for _ in range(n16)]
+    sm_copies = None
+    if do_scaled_mm:
+        try:
+            wf = w.float()
+            ch = (wf.abs().amax(1, keepdim=True).clamp_min(1e-10) / 448.0)  # [N, 1] per channel
+            wq_ch = (wf / ch).clamp(-448, 448).to(torch.float8_e4m3fn)
+            sm_copies = [(wq_ch.clone(), ch.t().contiguous().clone()) for _ in range(n8)]
+            del wf, wq_ch
+        except Exception as e:  # noqa: BLE001
+            _log(f"  {name}: scaled_mm weight prep failed: {e}")
+    for M in ms:
+        cell = {"shape": name, "N": N, "K": K, "M": M}
+        key = f"{name}/M{M}"
+        try:
+            x = torch.randn(M, K, device=dev).bfloat16()
+            xq, xs = fp8.quantize_act(x)
+            y = fp8.fp8_gemm(xq, xs, Wq, Ws)
+            y_ref = fp8.fp8_gemm_ref(xq, xs, Wq, Ws)
+            yb = F.linear(x, w).float()
+            cell["rel_vs_ref"] = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
+            cell["cos_vs_bf16"] = F.cosine_similarity(y.float().flatten(), yb.flatten(), dim=0).item()
+            cell["ok"] = bool(cell["rel_vs_ref"] <= 2.0 ** -7 and cell["cos_vs_bf16"] > 0.995)
+            cell["config"] = {k: v for k, v in fp8._gemm_config(M, N, K, fp8._device_sms(xq)).items()}
+            outs = [torch.empty(M, N, dtype=torch.bfloat16, device=dev) for _ in range(max(n8, n16))]
+            fp8_bytes = N * K + N * -(-K // 128) * 4 + M * K + M * N * 2
+            bf16_bytes = 2 * N * K + 2 * M * K + M * N * 2
+            t = {}
+            t["fp8"] = time_graph([lambda i=i: fp8.fp8_gemm(xq, xs, *wq_copies[i], out=outs[i]) for i in range(n8)],  # noqa: B023 (captured at once)
+                                  iters)
+
+            def lin(i):
+                q, s = fp8.quantize_act(x)  # noqa: B023 (captured at once)
+                fp8.fp8_gemm(q, s, *wq_copies[i], out=outs[i])  # noqa: B023 (captured at once)
+
+            t["fp8+q"] = time_graph([lambda i=i: lin(i) for i in range(n8)], iters)
+            t["bf16"] = time_graph([lambda i=i: F.linear(x, w_copies[i]) for i in range(n16)], iters)  # noqa: B023 (captured at once)
+            if sm_copies is not None:
+                try:
+                    Mp = -(-M // 16) * 16
+                    xp = torch.zeros(Mp, K, device=dev, dtype=torch.bfloat16)
+                    xp[:M] = x
+                    xsc = (xp.float().abs().amax(1, keepdim=True).clamp_min(1e-10) / 448.0)
+                    xpq = (xp.float() / xsc).clamp(-448, 448).to(torch.float8_e4m3fn)
+                    t["scaled_mm"] = time_graph(
+                        [lambda i=i: torch._scaled_mm(xpq, sm_copies[i][0].t(), scale_a=xsc, scale_b=sm_copies[i][1],  # noqa: B023 (captured at once)
+                                                      out_dtype=torch.bfloat16) for i in range(n8)], iters)
+                except Exception as e:  # noqa: BLE001
+                    cell["scaled_mm_error"] = f"{type(e).__name__}: {e}"[:300]
+            cell["us"] = t
+            cell["tbps"] = {k: (fp8_bytes if k.startswith("fp8") or k == "scaled_mm" else bf16_bytes) / (v * 1e-6) / 1e12
+                            for k, v in t.items()}
+            cell["speedup_vs_bf16"] = t["bf16"] / t["fp8"]
+        except Exception as e:  # noqa: BLE001 - print and continue
+            cell["error"] = f"{type(e).__name__}: {e}"[:500]
+            _log(f"  {key}: FAILED {cell['error']}")
+            traceback.print_exc(limit=3)
+        results[key] = cell
+        _print_row(cell)
+
+
+def _print_row(c):
+    if "error" in c:
+        return
+    us = c.get("us", {})
+    tb = c.get("tbps", {})
+
+    def f(k):
+        return f"{us[k]:8.2f} ({tb[k]:4.2f})" if k in us else f"{'-':>15}"
+
+    _log(f"{c['shape']:>14} {c['M']:>5} | {f('fp8')} | {f('fp8+q')} | {f('bf16')} | {f('scaled_mm')} | "
+         f"{c.get('speedup_vs_bf16', 0):5.2f}x | rel {c['rel_vs_ref']:.1e} cos {c['cos_vs_bf16']:.5f} "
+         f"{'ok' if c['ok'] else 'BAD'}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        _log("kernels_fp8: CUDA not available; nothing to benchmark")
+        return 0
+    ms = [int(m) for m in args.ms.split(",") if m]
+    do_sm = _scaled_mm_available()
+    t0 = time.time()
+    results = {}
+    _log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  scaled_mm {do_sm}")
+    _log("us per call (effective TB/s); cold weights, CUDA-graph replay, median")
+    _log(f"{'shape':>14} {'M':>5} | {'fp8':>15} | {'fp8+quant':>15} | {'bf16 cuBLAS':>15} | {'scaled_mm row':>15} |"
+         f" fp8/bf16 | check")
+    for name in args.shapes.split(","):
+        N, K = SHAPES[name]
+        try:
+            bench_shape(name, N, K, ms, args.iters, results, do_sm)
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001
+            results[f"{name}/setup"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            _log(f"  {name}: setup FAILED {e}")
+    n_bad = sum(1 for c in results.values() if "error" in c or not c.get("ok", False))
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "triton": getattr(fp8.triton, "__version__", None), "python": platform.python_version(),
+               "wall_s": time.time() - t0, "n_cells": len(results), "n_bad": n_bad, "cells": results}
+    _log(f"done in {summary['wall_s']:.1f}s; {n_bad} bad/failed cells of {len(results)}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "kernels_fp8.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
+    return 1 if n_bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

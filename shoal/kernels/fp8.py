@@ -1,0 +1,525 @@
+"""Block-scaled FP8 (e4m3) GEMM, activation quantize and fused SwiGLU-quantize (Triton).
+
+Scheme ("BSFP8", see /work/shared/reference/fish-scales-ops.md): activations are quantized
+in 1x128 groups along K, weights in 128x128 blocks, every group/block with one fp32
+*dequant* scale (``value ~= q * scale``), and the GEMM ``y[M, N] = dequant(x) @
+dequant(W)^T`` is returned in bf16.
+
+Layouts (validated by every entry point, violations raise ``ValueError``)
+-------------------------------------------------------------------------
+* weight   ``W_q`` : ``[N, K]``                       float8_e4m3fn, contiguous (row-major)
+* weight   ``W_s`` : ``[ceil(N/128), ceil(K/128)]``   float32, contiguous (row-major);
+  ``W_s[nb, kb]`` scales the block ``W_q[nb*128:(nb+1)*128, kb*128:(kb+1)*128]``;
+  dequant is ``W_q * W_s[n // 128, k // 128]``. This is the DeepSeek/Qwen checkpoint
+  ``weight_scale_inv`` tensor (a *multiplicative* dequant scale despite the name).
+* activation ``x_q`` : ``[M, K]``                     float8_e4m3fn, unit stride along K
+  (row stride may be larger, e.g. a row slice)
+* activation ``x_s`` : ``[M, ceil(K/128)]``           float32, contiguous (row-major);
+  ``x_s[m, kb]`` scales ``x_q[m, kb*128:(kb+1)*128]``. (Unlike fso this is *not* the
+  K-major ``kb*align(M,4)+m`` layout: the metadata describes the bytes exactly.)
+
+Both scale tensors are checked for dtype, exact shape (``(ceil(N/128), ceil(K/128))``,
+not its transpose) *and* contiguity, so a transposed view, a ``.t().contiguous()`` copy
+of a non-square grid, or a strided slice is rejected, never silently mis-read. A
+*square* scale grid (``ceil(N/128) == ceil(K/128)``) that was transposed and made
+contiguous cannot be told apart by shape/strides alone: the weight quantizer / loader
+layer (implemented by the other helper, not in this file) stores a layout tag with the
+checkpoint (``"bsfp8/w128x128/rowmajor-nb-kb"``, :data:`WEIGHT_SCALE_LAYOUT`) and the loader
+checks it before handing tensors to these kernels.
+
+Quantization arithmetic (references and kernels agree bit for bit)
+-------------------------------------------------------------------
+``amax = max(|group|)`` floored at 1e-10; ``qs = 448 / amax`` (fp32 division); stored
+scale ``= 1 / qs`` (fso's rule, not ``amax/448``); ``q = e4m3_rn(clamp(v * qs, -448, 448))``
+with round-to-nearest-even. Triton's interpreter does not round fp32 -> e4m3 to nearest
+even, so the kernels round explicitly (bit arithmetic for normals, ``rint`` on the
+subnormal grid) and the final cast only ever sees representable values; the same holds
+for fp32 -> bf16 (explicit RNE before the cast).
+
+GEMM kernel
+-----------
+``fp8_gemm``: programs tile ``(BLOCK_M x BLOCK_N)`` of the output and walk K in 128-wide
+blocks: ``acc += dot(x_q_blk, W_q_blk^T) * x_s[m, kb] * W_s[n//128, kb]`` (raw fp8
+products accumulated in fp32 per K block, scales applied to the partial sum -- the
+DeepGEMM "promotion" structure). For small M the K loop is split over ``SPLIT_K``
+programs so that enough CTAs stream the weight; partial fp32 sums go to a workspace
+``[SPLIT_K, M, N]`` and a second small kernel adds them in a fixed order (deterministic,
+no atomics) and rounds to bf16. Grids depend on shapes only, nothing syncs with the
+host: CUDA-graph capturable (compile once outside the capture).
+
+``silu_mul_quant(gate_up)``: ``h = silu(gate) * up`` for ``gate_up = [gate | up]``
+(``[M, 2I]``, gate the first I columns -- the stacked layout of the fused ``w1|w3``
+GEMM, same as :func:`shoal.kernels.fused.silu_mul`), rounded to bf16 exactly as PyTorch
+does (``F.silu(g)`` rounded, then ``* up`` rounded), then 1x128-quantized -- without
+writing the bf16 intermediate to memory.
+
+Dispatch (as in :mod:`shoal.kernels.fused`): ``op_ref`` is plain PyTorch, ``op_triton``
+the kernel (compiled on CUDA, interpreted on any tensors when Triton was imported with
+``TRITON_INTERPRET=1``), ``op`` the kernel when it can run else the reference.
+
+Untuned: tile sizes / warps / stages / split-K heuristic are first guesses (see
+:func:`_gemm_config`); the lead tunes on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+
+__all__ = [
+    "ACT_SCALE_LAYOUT",
+    "BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "WEIGHT_SCALE_LAYOUT",
+    "check_act",
+    "check_weight",
+    "dequant_act",
+    "dequant_weight",
+    "fp8_gemm",
+    "fp8_gemm_ref",
+    "fp8_gemm_triton",
+    "quantize_act",
+    "quantize_act_ref",
+    "quantize_act_triton",
+    "quantize_weight_ref",
+    "silu_mul_quant",
+    "silu_mul_quant_ref",
+    "silu_mul_quant_triton",
+    "use_triton",
+]
+
+BLOCK = 128  # scale group: 1x128 for activations, 128x128 for weights
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10
+WEIGHT_SCALE_LAYOUT = "bsfp8/w128x128/rowmajor-nb-kb"
+ACT_SCALE_LAYOUT = "bsfp8/a1x128/rowmajor-m-kb"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether the dispatchers run the Triton kernel for tensors like ``t``."""
+    return HAS_TRITON and (t.is_cuda or triton_interpreting())
+
+
+# --------------------------------------------------------------------------------------
+# Layout validation
+# --------------------------------------------------------------------------------------
+
+
+def _check_scale(name: str, s: Tensor, expect: tuple[int, int], what: str) -> None:
+    if not isinstance(s, Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(s).__name__}")  # noqa: TRY004 (layout errors are ValueError)
+    if s.dtype != torch.float32:
+        raise ValueError(f"{name}: scales must be float32, got {s.dtype}")
+    if s.dim() != 2 or tuple(s.shape) != expect:
+        hint = ""
+        if s.dim() == 2 and tuple(s.shape) == expect[::-1]:
+            hint = " (this is the transpose of the expected layout)"
+        raise ValueError(f"{name}: expected shape {expect} = {what}, got {tuple(s.shape)}{hint}")
+    if not s.is_contiguous():
+        raise ValueError(
+            f"{name}: scale tensor must be contiguous row-major (strides ({expect[1]}, 1)), got strides "
+            f"{tuple(s.stride())}; a transposed or sliced scale view would be mis-read")
+
+
+def check_weight(W_q: Tensor, W_s: Tensor) -> tuple[int, int]:
+    """Validate ``W_q [N, K] e4m3`` contiguous and ``W_s [ceil(N/128), ceil(K/128)] fp32``
+    contiguous; returns (N, K)."""
+    if not isinstance(W_q, Tensor) or W_q.dtype != FP8_DTYPE:
+        raise ValueError(f"W_q: must be {FP8_DTYPE}, got {getattr(W_q, 'dtype', type(W_q))}")
+    if W_q.dim() != 2:
+        raise ValueError(f"W_q: must be 2-D [N, K], got shape {tuple(W_q.shape)}")
+    if not W_q.is_contiguous():
+        raise ValueError(f"W_q: must be contiguous row-major [N, K], got strides {tuple(W_q.stride())}")
+    N, K = W_q.shape
+    _check_scale("W_s", W_s, (_cdiv(N, BLOCK), _cdiv(K, BLOCK)), "(ceil(N/128), ceil(K/128))")
+    if W_s.device != W_q.device:
+        raise ValueError(f"W_s on {W_s.device}, W_q on {W_q.device}")
+    return N, K
+
+
+def check_act(x_q: Tensor, x_s: Tensor) -> tuple[int, int]:
+    """Validate ``x_q [M, K] e4m3`` (unit stride along K) and ``x_s [M, ceil(K/128)] fp32``
+    contiguous; returns (M, K)."""
+    if not isinstance(x_q, Tensor) or x_q.dtype != FP8_DTYPE:
+        raise ValueError(f"x_q: must be {FP8_DTYPE}, got {getattr(x_q, 'dtype', type(x_q))}")
+    if x_q.dim() != 2:
+        raise ValueError(f"x_q: must be 2-D [M, K], got shape {tuple(x_q.shape)}")
+    M, K = x_q.shape
+    if K > 1 and x_q.stride(1) != 1:
+        raise ValueError(f"x_q: K must have unit stride, got strides {tuple(x_q.stride())}")
+    _check_scale("x_s", x_s, (M, _cdiv(K, BLOCK)), "(M, ceil(K/128))")
+    if x_s.device != x_q.device:
+        raise ValueError(f"x_s on {x_s.device}, x_q on {x_q.device}")
+    return M, K
+
+
+def _check_gemm(x_q, x_s, W_q, W_s) -> tuple[int, int, int]:
+    M, K = check_act(x_q, x_s)
+    N, K2 = check_weight(W_q, W_s)
+    if K != K2:
+        raise ValueError(f"K mismatch: x_q has K={K}, W_q has K={K2}")
+    if x_q.device != W_q.device:
+        raise ValueError(f"x_q on {x_q.device}, W_q on {W_q.device}")
+    return M, N, K
+
+
+# --------------------------------------------------------------------------------------
+# References (plain PyTorch)
+# --------------------------------------------------------------------------------------
+
+
+def _quant_from_amax(v: Tensor, amax: Tensor) -> tuple[Tensor, Tensor]:
+    """v fp32 [..., G, B], amax fp32 [..., G, 1] -> (q e4m3 like v, scale fp32 [..., G, 1])."""
+    amax = amax.clamp_min(AMAX_FLOOR)
+    # tensor / tensor: IEEE fp32 division (PyTorch's CPU ``scalar / tensor`` path can be a
+    # reciprocal-multiply, 1 ulp off)
+    qs = torch.full_like(amax, FP8_MAX) / amax
+    scale = torch.ones_like(qs) / qs
+    q = (v * qs).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_weight_ref(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``w [N, K]`` (any float dtype) -> ``(W_q [N, K] e4m3, W_s [ceil(N/128), ceil(K/128)] fp32)``;
+    one scale per 128x128 block (ragged edges are zero-padded for the amax)."""
+    if w.dim() != 2:
+        raise ValueError(f"w: must be 2-D [N, K], got {tuple(w.shape)}")
+    N, K = w.shape
+    nb, kb = _cdiv(N, BLOCK), _cdiv(K, BLOCK)
+    wp = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=w.device)
+    wp[:N, :K] = w.float()
+    blk = wp.view(nb, BLOCK, kb, BLOCK).permute(0, 2, 1, 3)  # [nb, kb, 128, 128]
+    amax = blk.abs().amax(dim=(-1, -2), keepdim=True)
+    q, scale = _quant_from_amax(blk, amax)
+    W_q = q.permute(0, 2, 1, 3).reshape(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous()
+    return W_q, scale.reshape(nb, kb).contiguous()
+
+
+def quantize_act_ref(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x [M, K]`` -> ``(x_q [M, K] e4m3, x_s [M, ceil(K/128)] fp32)``; one scale per 1x128 group."""
+    if x.dim() != 2:
+        raise ValueError(f"x: must be 2-D [M, K], got {tuple(x.shape)}")
+    M, K = x.shape
+    kb = _cdiv(K, BLOCK)
+    xp = torch.zeros(M, kb * BLOCK, dtype=torch.float32, device=x.device)
+    xp[:, :K] = x.float()
+    g = xp.view(M, kb, BLOCK)
+    q, scale = _quant_from_amax(g, g.abs().amax(dim=-1, keepdim=True))
+    return q.reshape(M, kb * BLOCK)[:, :K].contiguous(), scale.reshape(M, kb).contiguous()
+
+
+def dequant_weight(W_q: Tensor, W_s: Tensor) -> Tensor:
+    """fp32 ``W_q * W_s[n//128, k//128]``."""
+    N, K = check_weight(W_q, W_s)
+    s = W_s.repeat_interleave(BLOCK, 0)[:N].repeat_interleave(BLOCK, 1)[:, :K]
+    return W_q.float() * s
+
+
+def dequant_act(x_q: Tensor, x_s: Tensor) -> Tensor:
+    """fp32 ``x_q * x_s[m, k//128]``."""
+    _, K = check_act(x_q, x_s)
+    return x_q.float() * x_s.repeat_interleave(BLOCK, 1)[:, :K]
+
+
+def fp8_gemm_ref(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor) -> Tensor:
+    """``dequant(x) @ dequant(W)^T`` in fp32, rounded to bf16 ``[M, N]``."""
+    _check_gemm(x_q, x_s, W_q, W_s)
+    return (dequant_act(x_q, x_s) @ dequant_weight(W_q, W_s).t()).to(torch.bfloat16)
+
+
+def silu_mul_quant_ref(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """``quantize_act_ref(F.silu(gate) * up)`` with the bf16 intermediate (as the model computes it)."""
+    _check_gate_up(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return quantize_act_ref(F.silu(gate) * up)
+
+
+def _check_gate_up(gu: Tensor) -> int:
+    if gu.dim() != 2 or gu.shape[-1] % 2:
+        raise ValueError(f"gate_up: must be [M, 2I], got {tuple(gu.shape)}")
+    if gu.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"gate_up: unsupported dtype {gu.dtype}")
+    return gu.shape[-1] // 2
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _round_bf16(x):
+        """fp32 -> fp32 value representable in bf16, round to nearest even (NaN kept)."""
+        u = x.to(tl.uint32, bitcast=True)
+        u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+        return tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # noqa: PLR0124
+
+    @triton.jit
+    def _round_e4m3(v):
+        """fp32 v with |v| <= 448 -> fp32 value on the e4m3 grid, round to nearest even."""
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFFF + ((u >> 20) & 1)) & 0xFFF00000  # keep 3 mantissa bits
+        normal = u.to(tl.float32, bitcast=True)
+        # subnormal grid 2^-9: |v| + 2^14 rounds (RNE) to a multiple of 2^-9 (fp32 ulp of
+        # [2^14, 2^15)); abs() sits between the producer multiply and the add, so no FMA.
+        av = tl.abs(v)
+        sub = (av + 16384.0) - 16384.0
+        sub = tl.where(v < 0, -sub, sub)
+        return tl.where(av < 0.015625, sub, normal)
+
+    @triton.jit
+    def _quant_rows(v, q_ptrs, s_ptrs, mask, s_mask):
+        """v fp32 [G, 128] (masked lanes 0) -> store e4m3 q and one scale per row of v."""
+        amax = tl.max(tl.abs(v), axis=1)
+        amax = tl.maximum(amax, 1e-10)
+        qs = 448.0 / amax
+        scale = 1.0 / qs
+        y = v * qs[:, None]
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        y = _round_e4m3(y)
+        tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptrs, scale, mask=s_mask)
+
+    @triton.jit
+    def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_xm, stride_qm,
+                             GROUPS: tl.constexpr):
+        m = tl.program_id(0)
+        g0 = tl.program_id(1) * GROUPS
+        offs_g = g0 + tl.arange(0, GROUPS)
+        offs_k = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+        mask = offs_k < K
+        v = tl.load(x_ptr + m * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+        _quant_rows(v, q_ptr + m * stride_qm + offs_k, s_ptr + m * KB + offs_g, mask, offs_g < KB)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, KB, stride_gm, stride_qm,
+                               GROUPS: tl.constexpr, ROUND_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+        m = tl.program_id(0)
+        g0 = tl.program_id(1) * GROUPS
+        offs_g = g0 + tl.arange(0, GROUPS)
+        offs_k = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
+        mask = offs_k < I
+        g = tl.load(gu_ptr + m * stride_gm + offs_k, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + m * stride_gm + I + offs_k, mask=mask, other=0.0).to(tl.float32)
+        if ACCURATE_EXP:  # libdevice expf (accurate); it has no interpreter implementation
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        s = g / (1.0 + e)
+        if ROUND_BF16:
+            s = _round_bf16(s)
+            h = _round_bf16(s * u)
+        else:
+            h = s * u
+        h = tl.where(mask, h, 0.0)
+        _quant_rows(h, q_ptr + m * stride_qm + offs_k, s_ptr + m * KB + offs_g, mask, offs_g < KB)
+
+    @triton.jit
+    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, stride_xm, stride_ym,
+                         kb_per_split,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_kk = tl.arange(0, 128)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        nb = offs_n // 128
+        kb_lo = pid_k * kb_per_split
+        kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            offs_k = kb * 128 + offs_kk
+            k_mask = offs_k < K
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None],
+                        mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [128, BLOCK_N]
+            part = tl.dot(a, b)
+            sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
+            sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
+            acc += part * sa[:, None] * sb[None, :]
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                     _round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+        else:
+            tl.store(y_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+
+    @triton.jit
+    def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(SPLIT_K):
+            acc += tl.load(ws_ptr + s * M * N + offs, mask=mask, other=0.0)
+        m = offs // N
+        n = offs % N
+        tl.store(y_ptr + m * stride_ym + n, _round_bf16(acc).to(tl.bfloat16), mask=mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(t: Tensor) -> int:
+    if t.is_cuda:
+        return _num_sms(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
+    """First-guess tiles (untuned). BLOCK_N divides 128 so a tile never straddles two weight
+    scale rows (the kernel handles it anyway: the weight scale is loaded per column)."""
+    KB = _cdiv(K, BLOCK)
+    if M <= 16:
+        bm = 16
+    elif M <= 32:
+        bm = 32
+    elif M <= 64:
+        bm = 64
+    else:
+        bm = 128
+    bn = 64 if M <= 64 else 128
+    tiles = _cdiv(M, bm) * _cdiv(N, bn)
+    split = 1
+    if M <= 128 and tiles < sms:
+        # enough programs for ~2 waves of weight streaming, at least 2 K blocks each
+        split = max(1, min(KB // 2, _cdiv(2 * sms, tiles), 16))
+    kb_per_split = _cdiv(KB, split)
+    split = _cdiv(KB, kb_per_split)  # no empty splits
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "kb_per_split": kb_per_split,
+            "num_warps": 4, "num_stages": 4}
+
+
+def _launch_kwargs(cfg: dict, interpret: bool) -> dict:
+    return {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _require_triton(t: Tensor) -> bool:
+    interpret = triton_interpreting()
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    if not t.is_cuda and not interpret:
+        raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 before triton is first imported")
+    return interpret
+
+
+def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
+                    config: dict | None = None) -> Tensor:
+    """Triton block-scaled FP8 GEMM -> bf16 ``[M, N]`` (into ``out`` if given: bf16 [M, N], unit
+    stride along N). ``config`` overrides :func:`_gemm_config` (for tuning / tests)."""
+    M, N, K = _check_gemm(x_q, x_s, W_q, W_s)
+    interpret = _require_triton(x_q)
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x_q.device)
+    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1):
+        raise ValueError(f"out: must be bf16 [{M}, {N}] with unit stride along N, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    cfg = dict(_gemm_config(M, N, K, _device_sms(x_q)))
+    if config:
+        cfg.update(config)
+        KB = _cdiv(K, BLOCK)
+        cfg["kb_per_split"] = _cdiv(KB, cfg["SPLIT_K"])
+        cfg["SPLIT_K"] = _cdiv(KB, cfg["kb_per_split"])
+    KB = _cdiv(K, BLOCK)
+    split = cfg["SPLIT_K"]
+    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x_q.device)
+    _fp8_gemm_kernel[grid](x_q, x_s, W_q, W_s, target, M, N, K, KB, x_q.stride(0), out.stride(0),
+                           cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                           SPLIT_K=split, **_launch_kwargs(cfg, interpret))
+    if split > 1:
+        rb = 1024
+        _splitk_reduce_kernel[(_cdiv(M * N, rb),)](target, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)
+    return out
+
+
+def _groups_per_program(KB: int) -> int:
+    return 4 if KB >= 4 else (2 if KB >= 2 else 1)
+
+
+def quantize_act_triton(x: Tensor) -> tuple[Tensor, Tensor]:
+    """One-pass Triton 1x128 quantize of ``x [M, K]`` (bf16/fp16/fp32, unit stride along K)."""
+    if x.dim() != 2:
+        raise ValueError(f"x: must be 2-D [M, K], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x: unsupported dtype {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    _require_triton(x)
+    M, K = x.shape
+    KB = _cdiv(K, BLOCK)
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    if M == 0 or K == 0:
+        return q, s
+    G = _groups_per_program(KB)
+    _quantize_act_kernel[(M, _cdiv(KB, G))](x, q, s, K, KB, x.stride(0), q.stride(0), GROUPS=G)
+    return q, s
+
+
+def silu_mul_quant_triton(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """Fused ``silu(gate) * up`` + 1x128 quantize of ``gate_up [M, 2I]`` -> (h_q [M, I], h_s)."""
+    I = _check_gate_up(gate_up)
+    if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    interpret = _require_triton(gate_up)
+    M = gate_up.shape[0]
+    KB = _cdiv(I, BLOCK)
+    q = torch.empty(M, I, dtype=FP8_DTYPE, device=gate_up.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=gate_up.device)
+    if M == 0 or I == 0:
+        return q, s
+    G = _groups_per_program(KB)
+    _silu_mul_quant_kernel[(M, _cdiv(KB, G))](gate_up, q, s, I, KB, gate_up.stride(0), q.stride(0),
+                                              GROUPS=G, ROUND_BF16=gate_up.dtype == torch.bfloat16,
+                                              ACCURATE_EXP=not interpret)
+    return q, s
+
+
+# --------------------------------------------------------------------------------------
+# Dispatchers
+# --------------------------------------------------------------------------------------
+
+
+def fp8_gemm(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """Block-scaled FP8 GEMM ``y = dequant(x) @ dequant(W)^T`` (bf16 [M, N])."""
+    if use_triton(x_q):
+        return fp8_gemm_triton(x_q, x_s, W_q, W_s, out=out)
+    y = fp8_gemm_ref(x_q, x_s, W_q, W_s)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+def quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
+    """1x128 activation quantize (Triton when it can run, else the reference)."""
+    return quantize_act_triton(x) if use_triton(x) else quantize_act_ref(x)
+
+
+def silu_mul_quant(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """Fused SwiGLU + 1x128 quantize of ``[gate | up]`` (Triton when it can run, else the reference)."""
+    return silu_mul_quant_triton(gate_up) if use_triton(gate_up) else silu_mul_quant_ref(gate_up)
