@@ -206,15 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
     dec.set_defaults(func=cmd_codec)
     from .batch import add_batch_parser
     from .server.cli import add_serve_parser
+    from .quant.cli import add_quantize_parser
+    from .quant.gate import add_gate_parser
     from .voices.cli import add_voices_parser
 
     add_batch_parser(sub)
     add_serve_parser(sub)
     add_voices_parser(sub)
+    add_quantize_parser(sub)
+    add_gate_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)
-    bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "profile"],
+    bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "fp8", "profile"],
                        help="engine: concurrency sweep; serve: HTTP load on a running server; gate: perf "
                             "regression gate; live: WebSocket TTFA sweep; attention/fused/profile: kernels")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark options (see shoal bench WHICH -h)")
@@ -226,7 +230,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
     module = {"engine": "engine", "serve": "serve", "gate": "gate", "live": "live",
-              "attention": "kernels_attention", "fused": "kernels_fused", "profile": "profile_step"}[args.which]
+              "attention": "kernels_attention", "fused": "kernels_fused", "fp8": "kernels_fp8",
+              "profile": "profile_step"}[args.which]
     return importlib.import_module(f".bench.{module}", __package__).main(args.rest)
 
 
