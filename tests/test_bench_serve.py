@@ -4,14 +4,11 @@ and a short live run against the tiny S2 checkpoint served by uvicorn on loopbac
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import httpx
 import pytest
-import uvicorn
 
 from shoal.bench import serve
 from shoal.bench.corpus import REQUIRED_LANGUAGES, UniqueTexts, load_corpus, summary
@@ -22,6 +19,9 @@ from shoal.bench.serve import (
     level_metrics,
     simulate_playback,
 )
+
+if TYPE_CHECKING:
+    from live_server import LiveServer
 
 KEY = "bench-key"
 
@@ -125,39 +125,17 @@ def test_level_metrics_from_synthetic_results():
 
 
 # --------------------------------------------------------------------------- live
-class _LiveServer:
-    def __init__(self, app) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not (self.server.started and self._ready()):
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.02)
-
-    def _ready(self) -> bool:
-        return httpx.get(self.url + "/v1/ready", trust_env=False).status_code == 200
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def live(tiny_s2_checkpoint) -> Iterator[_LiveServer]:
+def live(tiny_s2_checkpoint) -> Iterator[LiveServer]:
+    from live_server import LiveServer, tiny_service
+
     from shoal.server.app import create_app
     from shoal.server.config import ServerConfig
-    from shoal.server.service import TTSService
 
-    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", dtype="fp32", max_running=8)
-    srv = _LiveServer(create_app(svc, ServerConfig(api_keys=frozenset({KEY}), max_new_tokens_cap=8)))
-    yield srv
-    srv.stop()
-    svc.close()
+    with tiny_service(tiny_s2_checkpoint, max_running=8) as svc:
+        app = create_app(svc, ServerConfig(api_keys=frozenset({KEY}), max_new_tokens_cap=8))
+        with LiveServer(app, timeout=60) as srv:
+            yield srv
 
 
 METRICS = ["requests_per_s", "audio_s_per_s", "audio_s_per_s_overall", "frames_per_s", "per_stream_fps_mean",

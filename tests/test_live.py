@@ -6,10 +6,8 @@ pings)."""
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,112 +17,39 @@ import httpx
 import numpy as np
 import ormsgpack
 import pytest
-import soundfile as sf
-import uvicorn
 from httpx_ws import WebSocketDisconnect, WebSocketUpgradeError, connect_ws
+from live_server import SR, LiveServer, decode, engine_idle, server_factory, service_fixture, sine_wav, wait_until
 
 from shoal.server.app import create_app
 from shoal.server.config import ServerConfig
 from shoal.server.live import LiveConfig, TextSegmenter, voice_prefix_grid
-from shoal.server.service import TTSService
 
 KEY = "live-key"
 FRAME = 2048
-SR = 44100
 CAP = 10  # frames per segment on the main server (the legacy SDK cannot set max_new_tokens)
 
 
 # --------------------------------------------------------------------------- live servers
-class LiveServer:
-    def __init__(self, app) -> None:
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        while httpx.get(self.url + "/v1/ready").status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+service = service_fixture(max_running=16)
 
 
-@pytest.fixture(scope="module")
-def service(tiny_s2_checkpoint) -> Iterator[TTSService]:
-    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", dtype="fp32", max_running=16)
-    yield svc
-    svc.close()
-
-
-def _server(service, live: LiveConfig | None = None, **kw) -> LiveServer:
+def _app(service, live: LiveConfig | None = None, **kw):
     app = create_app(service, ServerConfig(**kw))
     if live is not None:
         app.state.live_config = live
-    return LiveServer(app)
+    return app
 
 
 @pytest.fixture(scope="module")
 def main(service) -> Iterator[LiveServer]:
-    srv = _server(service, api_keys=frozenset({KEY}), max_new_tokens_cap=CAP)
-    yield srv
-    srv.stop()
+    with LiveServer(_app(service, api_keys=frozenset({KEY}), max_new_tokens_cap=CAP)) as srv:
+        yield srv
 
 
 @pytest.fixture
 def make_server(service) -> Iterator[Callable[..., LiveServer]]:
-    started: list[LiveServer] = []
-
-    def make(live: LiveConfig | None = None, **kw) -> LiveServer:
-        srv = _server(service, live, **kw)
-        started.append(srv)
-        return srv
-
-    yield make
-    for srv in started:
-        srv.stop()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def engine_idle(service: TTSService) -> bool:
-    eng = service.engine.engine
-    return service.engine.num_running == 0 and not eng.requests and eng.pool.num_seqs == 0
-
-
-def sine_wav(freq: float = 220.0, seconds: float = 1.0, rate: int = 22050) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    buf = io.BytesIO()
-    sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV")
-    return buf.getvalue()
-
-
-def decode(fmt: str, data: bytes) -> tuple[np.ndarray, int]:
-    if fmt == "pcm":
-        return np.frombuffer(data, "<i2").astype(np.float32) / 32768, SR
-    import av
-
-    with av.open(io.BytesIO(data), format={"opus": "ogg"}.get(fmt, fmt)) as box:
-        frames = [f.to_ndarray().reshape(-1) for f in box.decode(audio=0)]
-        rate = box.streams.audio[0].codec_context.sample_rate
-    return (np.concatenate(frames) if frames else np.zeros(0, np.float32)), rate
+    with server_factory(lambda live=None, **kw: _app(service, live, **kw)) as make:
+        yield make
 
 
 # --------------------------------------------------------------------------- raw wire helpers

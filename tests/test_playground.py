@@ -19,24 +19,22 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import live_server
 import numpy as np
 import pytest
 import soundfile as sf
-import uvicorn
+from live_server import LiveServer, engine_idle, service_fixture
 
 from shoal.server.app import create_app
 from shoal.server.config import ServerConfig
-from shoal.server.service import TTSService
 
 KEY = "playground-key"
 CAP = 400  # frames: the Stop test asks for more and is stopped early
@@ -46,52 +44,17 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome-stable", "google-chro
 
 
 # --------------------------------------------------------------------------- live server
-class LiveServer:
-    def __init__(self, app) -> None:
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        while httpx.get(self.url + "/v1/ready").status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def service(tiny_s2_checkpoint) -> Iterator[TTSService]:
-    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", dtype="fp32", max_running=4)
-    yield svc
-    svc.close()
+service = service_fixture(max_running=4)
 
 
 @pytest.fixture(scope="module")
 def server(service) -> Iterator[LiveServer]:
-    srv = LiveServer(create_app(service, ServerConfig(api_keys=frozenset({KEY}), max_new_tokens_cap=CAP)))
-    yield srv
-    srv.stop()
+    with LiveServer(create_app(service, ServerConfig(api_keys=frozenset({KEY}), max_new_tokens_cap=CAP))) as srv:
+        yield srv
 
 
-def wait_until(cond: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(interval)
+def wait_until(cond: Callable[[], Any], timeout: float = 20.0) -> Any:
+    return live_server.wait_until(cond, timeout, interval=0.05)
 
 
 # --------------------------------------------------------------------------- CDP client
@@ -338,11 +301,6 @@ def post_pcm(srv: LiveServer, body: dict) -> bytes:
     r = httpx.post(srv.url + "/v1/tts", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 200, r.text
     return r.content
-
-
-def engine_idle(service: TTSService) -> bool:
-    eng = service.engine.engine
-    return service.engine.num_running == 0 and not eng.requests and eng.pool.num_seqs == 0
 
 
 def page_download(page: Page) -> bytes:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,8 +15,8 @@ import httpx
 import numpy as np
 import ormsgpack
 import pytest
-import soundfile as sf
-import uvicorn
+from live_server import (SR, LiveServer, assert_error, decode, engine_idle, server_factory, service_fixture,
+                         sine_wav, wait_until)
 
 from shoal.server.app import create_app
 from shoal.server.config import ServerConfig
@@ -26,90 +24,26 @@ from shoal.server.service import TTSService
 
 KEY, KEY2 = "test-key", "second-key"
 FRAME = 2048
-SR = 44100
 CAP = 12  # frames per request on the main server (the legacy SDK cannot set max_new_tokens)
-ERROR_KEYS = {"status", "message"}
 
 
 # --------------------------------------------------------------------------- live servers
-class LiveServer:
-    def __init__(self, app) -> None:
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-
-    @property
-    def state(self):
-        return self.app.state.shoal
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while httpx.get(self.url + "/v1/ready").status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def service(tiny_s2_checkpoint) -> Iterator[TTSService]:
-    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", dtype="fp32", max_running=16)
-    yield svc
-    svc.close()
+service = service_fixture(max_running=16)
 
 
 @pytest.fixture(scope="module")
 def main(service) -> Iterator[LiveServer]:
     config = ServerConfig(api_keys=frozenset({KEY, KEY2}), max_new_tokens_cap=CAP, max_text_length=12_000,
                           max_body_bytes=1 << 20)
-    srv = LiveServer(create_app(service, config))
-    srv.wait_ready()
-    yield srv
-    srv.stop()
+    with LiveServer(create_app(service, config)) as srv:
+        yield srv
 
 
 @pytest.fixture
 def make_server(service) -> Iterator[Callable[..., LiveServer]]:
     """Extra servers over the same service, with their own config (no frame cap by default)."""
-    started: list[LiveServer] = []
-
-    def make(**kw) -> LiveServer:
-        srv = LiveServer(create_app(service, ServerConfig(**kw)))
-        srv.wait_ready()
-        started.append(srv)
-        return srv
-
-    yield make
-    for srv in started:
-        srv.stop()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def engine_idle(service: TTSService) -> bool:
-    eng = service.engine.engine
-    return service.engine.num_running == 0 and not eng.requests and eng.pool.num_seqs == 0
+    with server_factory(lambda **kw: create_app(service, ServerConfig(**kw))) as make:
+        yield make
 
 
 # --------------------------------------------------------------------------- helpers
@@ -120,35 +54,6 @@ def post_tts(srv: LiveServer, body: dict, *, key: str | None = KEY, model: str =
         headers["authorization"] = f"Bearer {key}"
     data = raw if raw is not None else ormsgpack.packb(body)
     return httpx.post(srv.url + "/v1/tts", content=data, headers=headers, timeout=60)
-
-
-def assert_error(resp: httpx.Response, status: int, contains: str = "") -> dict:
-    assert resp.status_code == status, (resp.status_code, resp.text)
-    body = resp.json()
-    assert set(body) == ERROR_KEYS and body["status"] == status, body
-    assert isinstance(body["message"], str) and contains.lower() in body["message"].lower(), body
-    return body
-
-
-def sine_wav(seconds: float = 1.0, rate: int = 22050) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    buf = io.BytesIO()
-    sf.write(buf, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), rate, format="WAV")
-    return buf.getvalue()
-
-
-def decode(fmt: str, data: bytes, pcm_rate: int = SR) -> tuple[np.ndarray, int]:
-    """Decode with a real decoder: FFmpeg through PyAV (streamed WAV/FLAC declare an unknown
-    length, which libsndfile's reader trips on), numpy for headerless pcm."""
-    if fmt == "pcm":
-        return np.frombuffer(data, "<i2").astype(np.float32) / 32768, pcm_rate
-    import av
-
-    demuxer = {"opus": "ogg", "aac": "aac"}.get(fmt, fmt)
-    with av.open(io.BytesIO(data), format=demuxer) as box:
-        frames = [f.to_ndarray().reshape(-1) for f in box.decode(audio=0)]
-        rate = box.streams.audio[0].codec_context.sample_rate
-    return (np.concatenate(frames) if frames else np.zeros(0, np.float32)), rate
 
 
 # --------------------------------------------------------------------------- official SDKs
@@ -515,7 +420,7 @@ class _SlowService:
 
 def test_ready_is_503_until_warm():
     stub = _SlowService()
-    srv = LiveServer(create_app(stub, ServerConfig()))  # type: ignore[arg-type]
+    srv = LiveServer(create_app(stub, ServerConfig()), ready=False)  # type: ignore[arg-type]
     try:
         assert httpx.get(srv.url + "/v1/health").json() == {"status": "ok"}
         r = httpx.get(srv.url + "/v1/ready")

@@ -5,11 +5,7 @@ calls, ``openai``), raw httpx for the wire, and ``shoal voices`` on the same fol
 from __future__ import annotations
 
 import asyncio
-import io
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,16 +14,14 @@ import numpy as np
 import ormsgpack
 import pytest
 import soundfile as sf
-import uvicorn
+from live_server import LiveServer, assert_error, service_fixture, sine_wav
 
 from shoal.server.app import create_app
 from shoal.server.config import ServerConfig
-from shoal.server.service import TTSService
 from shoal.voices import StoreLimits
 
 KEY, KEY2 = "voice-key", "other-key"
 CAP = 8
-ERROR_KEYS = {"status", "message"}
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 32
 VOICE_KEYS = {"_id", "type", "title", "description", "cover_image", "train_mode", "state", "tags", "samples",
@@ -35,40 +29,7 @@ VOICE_KEYS = {"_id", "type", "title", "description", "cover_image", "train_mode"
               "mark_count", "shared_count", "task_count", "liked", "marked", "author"}
 
 
-class LiveServer:
-    def __init__(self, app) -> None:
-        self.app = app
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-        while httpx.get(self.url + "/v1/ready").status_code != 200:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.02)
-
-    @property
-    def store(self):
-        return self.app.state.voice_store
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def service(tiny_s2_checkpoint) -> Iterator[TTSService]:
-    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", dtype="fp32", max_running=4)
-    yield svc
-    svc.close()
+service = service_fixture(max_running=4)
 
 
 @pytest.fixture(scope="module")
@@ -79,28 +40,16 @@ def voices_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def srv(service, voices_dir) -> Iterator[LiveServer]:
     config = ServerConfig(api_keys=frozenset({KEY, KEY2}), max_new_tokens_cap=CAP, voices_dir=str(voices_dir))
-    server = LiveServer(create_app(service, config))
-    yield server
-    server.stop()
+    with LiveServer(create_app(service, config)) as server:
+        yield server
 
 
 def tone(seconds: float = 1.0, freq: float = 220.0, rate: int = 22050) -> bytes:
-    t = np.arange(int(seconds * rate)) / rate
-    buf = io.BytesIO()
-    sf.write(buf, (0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), rate, format="WAV")
-    return buf.getvalue()
+    return sine_wav(freq, seconds, rate)
 
 
 def auth(key: str = KEY) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
-
-
-def assert_error(resp: httpx.Response, status: int, contains: str = "") -> dict:
-    assert resp.status_code == status, (resp.status_code, resp.text)
-    body = resp.json()
-    assert set(body) == ERROR_KEYS and body["status"] == status, body
-    assert contains.lower() in body["message"].lower(), body
-    return body
 
 
 def post_tts(srv: LiveServer, body: dict, key: str = KEY) -> httpx.Response:

@@ -27,9 +27,9 @@ from .errors import APIError, validation_error
 from .limits import check_text_length
 from .output import AudioPipeline, ProsodySpec, clamp_speed
 from .schemas import SpeechRequestIn
-from .service import ClientDisconnected, Synthesis
-from .state import get_state, request_seed, sampling_params
-from .streaming import audio_chunks, audio_response, parse_body, wait_disconnect
+from .service import Synthesis
+from .state import get_state, sampling_params
+from .streaming import audio_chunks, audio_response, parse_body, release_after_error, start_synthesis
 
 router = APIRouter()
 ROUTE = "/v1/audio/speech"
@@ -70,16 +70,10 @@ async def speech(request: Request) -> Response:
                                                          if body.references else [])
             prepared = await service.prepare(body.input, service.speaker_references(groups), None,
                                              body.normalize, body.language)
-            syn = await service.start(
-                prepared.session, params=sampling_params(body.temperature, body.top_p, body.top_k),
-                seed=request_seed(body.seed), max_new_tokens=state.frames_budget(body.max_new_tokens),
-                latency=body.latency, disconnected=lambda: wait_disconnect(request))
-    except ClientDisconnected:
-        lease.release()
-        return Response(status_code=499)
-    except BaseException:
-        lease.release()
-        raise
+            syn = await start_synthesis(state, request, prepared.session,
+                                        sampling_params(body.temperature, body.top_p, body.top_k), body)
+    except BaseException as e:  # noqa: BLE001 - re-raised unless a 499
+        return release_after_error(lease, e)
     headers = {"X-Shoal-Sample-Rate": str(pipeline.sample_rate), "X-Shoal-Speed": f"{speed:g}"}
     if body.stream_format == "sse":
         def delta(data: bytes) -> bytes:

@@ -1,4 +1,4 @@
-"""Shared HTTP plumbing for the synthesis routes: body parsing and the audio response."""
+"""Shared HTTP plumbing for the synthesis routes: body parsing, starting the synthesis and the audio response."""
 
 from __future__ import annotations
 
@@ -9,14 +9,16 @@ from typing import Any
 
 import ormsgpack
 from fastapi import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from ..engine.sampling import SamplingParams
+from ..text.prompt import PromptSession
 from .auth import Lease
 from .errors import APIError
 from .output import AudioPipeline
-from .service import Synthesis
-from .state import ServerState
+from .service import ClientDisconnected, Synthesis
+from .state import ServerState, request_seed
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
@@ -52,6 +54,26 @@ async def wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def start_synthesis(state: ServerState, request: Request, session: PromptSession, params: SamplingParams,
+                          body: Any) -> Synthesis:
+    """``service.start`` for an HTTP synthesis request: ``body``'s seed, ``max_new_tokens`` (within
+    the server's cap) and latency; :class:`ClientDisconnected` when the client goes away first."""
+    return await state.service.start(
+        session, params=params, seed=request_seed(body.seed),
+        max_new_tokens=state.frames_budget(body.max_new_tokens),
+        latency=body.latency, disconnected=lambda: wait_disconnect(request))
+
+
+def release_after_error(lease: Lease, error: BaseException) -> Response:
+    """For a synthesis route's ``except BaseException`` before its response: frees the lease;
+    a client gone before the first event (:class:`ClientDisconnected`) gets 499, any other
+    error is raised again."""
+    lease.release()
+    if isinstance(error, ClientDisconnected):
+        return Response(status_code=499)
+    raise error
 
 
 class AudioStreamingResponse(StreamingResponse):

@@ -12,9 +12,8 @@ from .errors import APIError, validation_error
 from .limits import check_text_length
 from .output import AudioPipeline, ProsodySpec
 from .schemas import TTSRequestIn
-from .service import ClientDisconnected
-from .state import get_state, request_seed, sampling_params
-from .streaming import audio_chunks, audio_response, parse_body, wait_disconnect
+from .state import get_state, sampling_params
+from .streaming import audio_chunks, audio_response, parse_body, release_after_error, start_synthesis
 
 router = APIRouter()
 ROUTE = "/v1/tts"
@@ -55,17 +54,11 @@ async def tts(request: Request) -> Response:
                     nested=body.multi_speaker_references)
             prepared = await service.prepare(body.text, service.speaker_references(groups),
                                              body.chunk_length, body.normalize, body.language)
-            syn = await service.start(
-                prepared.session,
-                params=sampling_params(body.temperature, body.top_p, body.top_k, body.repetition_penalty),
-                seed=request_seed(body.seed), max_new_tokens=state.frames_budget(body.max_new_tokens),
-                latency=body.latency, disconnected=lambda: wait_disconnect(request))
-    except ClientDisconnected:
-        lease.release()
-        return Response(status_code=499)
-    except BaseException:
-        lease.release()
-        raise
+            syn = await start_synthesis(
+                state, request, prepared.session,
+                sampling_params(body.temperature, body.top_p, body.top_k, body.repetition_penalty), body)
+    except BaseException as e:  # noqa: BLE001 - re-raised unless a 499
+        return release_after_error(lease, e)
     chunks = audio_chunks(state, syn, pipeline, lease, route=ROUTE, t0=t0)
     return audio_response(chunks, pipeline.content_type, syn,
                           {"X-Shoal-Sample-Rate": str(pipeline.sample_rate)})
