@@ -388,6 +388,15 @@ def test_store_without_encoder_cannot_create(tmp_path):
 # --------------------------------------------------------------------------- threads
 def test_concurrent_access_from_threads(store, enc):
     base = [store.create(title=f"base {i}", samples=two_samples()[:1]) for i in range(3)]
+    # Run every code path once on this thread first: lazy imports compile their modules on first
+    # use, and CPython 3.11's compiler is not thread-safe (concurrent compiles can raise
+    # "SystemError: AST constructor recursion depth mismatch" on a fresh checkout without .pyc).
+    warm = store.create(title="warm", samples=[SampleInput(tone(0.3), "warm")])
+    store.references(base[0].id)
+    store.record_use(base[0].id)
+    store.list(page_size=5, title="t")
+    store.update(warm.id, title="warm 2")
+    store.delete(warm.id)
     errors: list[BaseException] = []
     created: list[str] = []
     lock = threading.Lock()
