@@ -165,11 +165,12 @@ def test_multibatch_dialogue_through_the_engine(s2, voice):
     assert eng.pool.hit_tokens > 0  # batch 1's prompt extends batch 0's sequence
 
 
-def test_streaming_audio_equals_one_shot_decode(s2, voice):
+@pytest.mark.parametrize("audio_thread", [False, True])
+def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread):
     model, tok, ckpt = s2
     codec = load_codec(ckpt / "codec.pth")
     eng = Engine(model, tok.im_end_id, codec=codec,
-                 config=EngineConfig(max_running=3, num_blocks=64,
+                 config=EngineConfig(max_running=3, num_blocks=64, audio_thread=audio_thread,
                                      audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8)))
     for i in range(3):
         eng.add_request(EngineRequest(session=session(tok, i, voice), params=SAMPLED, seed=i,
@@ -178,7 +179,11 @@ def test_streaming_audio_equals_one_shot_decode(s2, voice):
     for i in range(3):
         rid = f"a{i}"
         chunks = [e.pcm for e in events if isinstance(e, AudioEvent) and e.request_id == rid]
-        assert len(chunks) >= 3 and len(chunks[0]) == 2 * 2048  # small first chunk
+        assert len(chunks) >= 2 and len(chunks[0]) == 2 * 2048  # small first chunk
+        # the summary comes after the request's last audio chunk
+        last_audio = max(j for j, e in enumerate(events) if isinstance(e, AudioEvent) and e.request_id == rid)
+        finish = next(j for j, e in enumerate(events) if isinstance(e, FinishEvent) and e.request_id == rid)
+        assert finish > last_audio
         streamed = np.concatenate(chunks)
         with torch.inference_mode():
             ref = codec.decode(torch.as_tensor(done[rid].codes)[None])[0, 0].numpy()

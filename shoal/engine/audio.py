@@ -114,3 +114,97 @@ class AudioStreamer:
             self.pending.pop(rid, None)
             self.chunks.pop(rid, None)
             self.schedules.pop(rid, None)
+
+
+class AudioWorker:
+    """Drives an :class:`AudioStreamer` from the engine, inline or on its own thread.
+
+    The engine only enqueues commands (``push`` frames, ``finish`` or ``release`` a request) and
+    ``poll``s results: ``("audio", rid, pcm)`` and, once a finished request's last audio is out,
+    ``("done", rid)``. Threaded, the codec runs beside the LLM decode (on its own CUDA stream
+    on GPU), so decode steps never wait for audio; inline (CPU, tests), the same commands are
+    processed when polled. Commands of one request are processed in order; the audio is the same
+    either way (streaming decode is chunk-schedule invariant).
+    """
+
+    def __init__(self, streamer: AudioStreamer, threaded: bool = False) -> None:
+        import queue
+        import threading
+
+        self.streamer = streamer
+        self.sample_rate = streamer.sample_rate
+        self.threaded = threaded
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._cuda_stream = (torch.cuda.Stream(streamer.device)
+                             if threaded and streamer.device.type == "cuda" else None)
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, name="shoal-audio", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ engine side
+    def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
+        self._inbox.put(("push", rid, frames, schedule))
+
+    def finish(self, rid: str) -> None:
+        self._inbox.put(("finish", rid, None, None))
+
+    def release(self, rid: str) -> None:
+        self._inbox.put(("release", rid, None, None))
+
+    def poll(self, timeout: float = 0.0) -> list[tuple]:
+        """Results so far; with ``timeout`` > 0 (threaded), wait that long for the first one."""
+        import queue
+
+        if not self.threaded:
+            self._process(self._drain())
+        out = []
+        try:
+            if timeout > 0 and self.threaded:
+                out.append(self._outbox.get(timeout=timeout))
+            while True:
+                out.append(self._outbox.get_nowait())
+        except queue.Empty:
+            pass
+        if self._error is not None:
+            raise RuntimeError(f"audio worker failed: {self._error!r}") from self._error
+        return out
+
+    # ------------------------------------------------------------------ worker side
+    def _drain(self) -> list[tuple]:
+        import queue
+
+        cmds = []
+        try:
+            while True:
+                cmds.append(self._inbox.get_nowait())
+        except queue.Empty:
+            return cmds
+
+    def _process(self, cmds: list[tuple]) -> None:
+        s = self.streamer
+        for kind, rid, frames, schedule in cmds:
+            if kind == "push":
+                s.push(rid, frames, schedule)
+            elif kind == "finish":
+                pcm = s.finish(rid)
+                if pcm is not None and len(pcm):
+                    self._outbox.put(("audio", rid, pcm))
+                self._outbox.put(("done", rid))
+            else:
+                s.release(rid)
+        for rid, pcm in s.decode_ready():
+            self._outbox.put(("audio", rid, pcm))
+
+    def _loop(self) -> None:
+        import contextlib
+
+        ctx = torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
+        try:
+            with ctx:
+                while True:
+                    first = self._inbox.get()
+                    self._process([first] + self._drain())
+        except BaseException as e:  # surfaced to the engine by poll()
+            self._error = e

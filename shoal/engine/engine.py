@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..model.dualar import DualAR
-from .audio import AudioStreamer, ChunkSchedule
+from .audio import AudioStreamer, AudioWorker, ChunkSchedule
 from .kv_cache import BlockPool
 from .request import AudioEvent, EngineRequest, Event, FinishEvent, FramesEvent, Status
 from .runner import ModelRunner, RunnerConfig
@@ -34,6 +34,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
+    audio_thread: bool | None = None  # codec on its own thread/stream (default: on CUDA)
 
 
 class Engine:
@@ -55,7 +56,11 @@ class Engine:
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
             max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda))
         self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
-        self.audio = AudioStreamer(codec, max_running, cfg.audio_schedule) if codec is not None else None
+        self.audio: AudioWorker | None = None
+        if codec is not None:
+            threaded = cfg.audio_thread if cfg.audio_thread is not None else on_cuda
+            self.audio = AudioWorker(AudioStreamer(codec, max_running, cfg.audio_schedule), threaded)
+        self._audio_pending: dict[str, tuple[EngineRequest, str]] = {}  # finished, audio not yet out
         self.requests: dict[str, EngineRequest] = {}
         self.max_running = max_running
         self.stats = {"steps": 0, "frames": 0, "prefill_tokens": 0, "preemptions": 0,
@@ -113,7 +118,7 @@ class Engine:
             req.cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._audio_pending)
 
     @property
     def num_waiting(self) -> int:
@@ -155,10 +160,13 @@ class Engine:
         if self.audio is not None and req.stream_audio:
             if reason in ("cancelled", "error"):
                 self.audio.release(req.request_id)
-            else:
-                pcm = self.audio.finish(req.request_id)
-                if pcm is not None and len(pcm):
-                    events.append(AudioEvent(req.request_id, pcm, self.audio.sample_rate))
+            else:  # the summary follows the request's last audio chunk
+                self.audio.finish(req.request_id)
+                self._audio_pending[req.request_id] = (req, reason)
+                return
+        events.append(self._finish_event(req, reason, error))
+
+    def _finish_event(self, req: EngineRequest, reason: str, error: str | None = None) -> FinishEvent:
         codes = np.concatenate(req.all_codes, axis=1) if req.all_codes else np.zeros((10, 0), np.int64)
         timings = {"queued_to_first_frame_s": (req.first_frame_time or req.finish_time) - req.arrival,
                    "total_s": req.finish_time - req.arrival, "frames": float(codes.shape[1]),
@@ -166,7 +174,7 @@ class Engine:
         if req.first_audio_time is not None:
             timings["first_audio_s"] = req.first_audio_time - req.arrival
         self.stats["finished"] += 1
-        events.append(FinishEvent(req.request_id, reason, codes, timings, error))
+        return FinishEvent(req.request_id, reason, codes, timings, error)
 
     def _on_column(self, req: EngineRequest, col: np.ndarray, first_of_batch: bool,
                    events: list[Event]) -> None:
@@ -267,12 +275,18 @@ class Engine:
 
     def _audio_events(self) -> list[Event]:
         out: list[Event] = []
-        now = time.perf_counter()
-        for rid, pcm in self.audio.decode_ready():
-            req = self.requests.get(rid)
-            if req is not None and req.first_audio_time is None:
-                req.first_audio_time = now
-            out.append(AudioEvent(rid, pcm, self.audio.sample_rate))
+        idle = not self.requests and bool(self._audio_pending)
+        for item in self.audio.poll(timeout=0.01 if idle else 0.0):
+            rid = item[1]
+            pending = self._audio_pending.get(rid)
+            req = self.requests.get(rid) or (pending[0] if pending else None)
+            if item[0] == "audio":
+                if req is not None and req.first_audio_time is None:
+                    req.first_audio_time = time.perf_counter()
+                out.append(AudioEvent(rid, item[2], self.audio.sample_rate))
+            elif pending is not None:  # "done": the request's audio is all out
+                del self._audio_pending[rid]
+                out.append(self._finish_event(pending[0], pending[1]))
         return out
 
     def run_until_done(self) -> list[Event]:
