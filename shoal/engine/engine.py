@@ -225,17 +225,19 @@ class Engine:
             self._last_block_count.pop(req.request_id, None)
         runner = self.runner
         t0 = time.perf_counter()
-        chunks = []
+        chunks, full_seqs = [], []
         for req, start, end in plan.prefill:
             if req.request_id not in self._last_block_count:  # first chunk since admission
                 runner.assign_slot(req.slot, req.params, req.seed)
             self._sync_blocks(req)
+            full = self._full(req)
+            full_seqs.append(full)
             if end > start:
-                chunks.append((self._sequence(req), start, end, self.pool.block_table(req.request_id)))
+                chunks.append((full[:, :-1], start, end, self.pool.block_table(req.request_id)))
         with torch.inference_mode():
             runner.prefill(chunks)
-        for req, start, end in plan.prefill:
-            seq = self._sequence(req)
+        for (req, start, end), full in zip(plan.prefill, full_seqs):
+            seq = full[:, :-1]  # what was prefilled: everything but the next decode input
             if end > start:
                 self.pool.commit_tokens(req.request_id, seq[:, start:end])
             self.stats["prefill_tokens"] += end - start
@@ -246,7 +248,6 @@ class Engine:
                 self._finish(req, "prefilled", events)
                 continue
             req.status = Status.DECODE
-            full = self._full(req)
             gen = np.stack(req.new_columns, axis=1) if req.new_columns else None
             hist = gen[1:, 1:] if gen is not None and gen.shape[1] > 1 else None
             runner.set_decode_state(req.slot, full[:, -1], full.shape[1] - 1, req.frames_total,
