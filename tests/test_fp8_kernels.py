@@ -15,15 +15,14 @@ Numerics checked:
 """
 
 import os
-import sys
 
 if __name__ == "__main__":  # interpreter worker: must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
-import json
-import subprocess
 
 import pytest
+
+from interpreter_worker import report_cases, run_worker
 import torch
 
 from shoal.kernels import fp8
@@ -93,30 +92,14 @@ def _interp_case(M, K, N):
 
 def _worker_main():
     assert fp8.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
-    results = {}
-    for name, (M, K, N) in INTERP_CASES.items():
-        try:
-            res = _interp_case(M, K, N)
-            results[name] = {"checks": {k: [float(a), float(b)] for k, (a, b) in res["checks"].items()},
-                             "flags": {k: bool(v) for k, v in res["flags"].items()}}
-        except Exception as e:  # noqa: BLE001 - reported per case by the parent
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    print("@@RESULTS@@" + json.dumps(results))
+    report_cases(INTERP_CASES, lambda name: _interp_case(*INTERP_CASES[name]))
 
 
 @pytest.fixture(scope="module")
 def interp_results():
     if not fp8.HAS_TRITON:
         pytest.skip("triton not installed")
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULTS@@")]
-    if proc.returncode != 0 or not marker:
-        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(marker[-1][len("@@RESULTS@@"):])
+    return run_worker(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))

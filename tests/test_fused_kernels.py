@@ -16,16 +16,15 @@ Numerics checked (see the module docstring of shoal.kernels.fused):
 """
 
 import os
-import sys
 
 if __name__ == "__main__":  # interpreter worker: must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"
 
-import json
-import subprocess
 import zlib
 
 import pytest
+
+from interpreter_worker import report_cases, run_worker
 import torch
 import torch.nn.functional as F
 
@@ -243,30 +242,14 @@ def _check_caches(case, data, datar, exact, checks, flags, slots=None):
 def _worker_main():
     assert fz.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
     torch.manual_seed(0)
-    results = {}
-    for name in list(INTERP_CASES) + EXTRA_CASES:
-        try:
-            res = _interp_case(name)
-            results[name] = {"checks": {k: [float(a), float(b)] for k, (a, b) in res["checks"].items()},
-                             "flags": {k: bool(v) for k, v in res["flags"].items()}}
-        except Exception as e:  # noqa: BLE001 - reported per case by the parent
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    print("@@RESULTS@@" + json.dumps(results))
+    report_cases(list(INTERP_CASES) + EXTRA_CASES, _interp_case)
 
 
 @pytest.fixture(scope="module")
 def interp_results():
     if not fz.HAS_TRITON:
         pytest.skip("triton not installed")
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULTS@@")]
-    if proc.returncode != 0 or not marker:
-        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return json.loads(marker[-1][len("@@RESULTS@@"):])
+    return run_worker(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES) + EXTRA_CASES)
