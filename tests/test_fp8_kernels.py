@@ -21,9 +21,8 @@ if __name__ == "__main__":  # interpreter worker: must precede the first triton 
 
 
 import pytest
-
-from interpreter_worker import report_cases, run_worker
 import torch
+from interpreter_worker import report_cases, run_worker
 
 from shoal.kernels import fp8
 

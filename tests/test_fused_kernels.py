@@ -23,10 +23,9 @@ if __name__ == "__main__":  # interpreter worker: must precede the first triton 
 import zlib
 
 import pytest
-
-from interpreter_worker import report_cases, run_worker
 import torch
 import torch.nn.functional as F
+from interpreter_worker import report_cases, run_worker
 
 from shoal.kernels import fused as fz
 from shoal.model.layers import Attention, Block, FeedForward, RMSNorm, rope_table
