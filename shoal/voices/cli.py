@@ -168,14 +168,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m shoal.voices.cli add|list|show|rm ...`` (the same as ``shoal voices ...``)."""
-    parser = argparse.ArgumentParser(prog="shoal")
-    add_voices_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["voices", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:
-        print(f"shoal: error: {e}", file=sys.stderr)
-        return 2
+    from ..cli import main as shoal_main
+
+    return shoal_main(["voices", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
