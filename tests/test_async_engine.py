@@ -83,3 +83,14 @@ def test_bad_request_raises_and_engine_keeps_serving(engine):
 
     events = asyncio.run(main())
     assert isinstance(events[-1], FinishEvent) and events[-1].codes.shape == (10, 2)
+
+
+def test_call_runs_on_the_engine_thread(engine):
+    import threading
+
+    eng, model, tok = engine
+    fut = eng.call(lambda x: (threading.current_thread().name, x * 2), 21)
+    assert fut.result(timeout=10) == ("shoal-engine", 42)
+    bad = eng.call(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        bad.result(timeout=10)

@@ -58,6 +58,16 @@ class AsyncEngine:
         self._wake.set()
         return q
 
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the engine thread between steps (e.g. CUDA graph capture, which
+        must not overlap the engine's own device work); returns a concurrent Future."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, args, fut)))
+        self._wake.set()
+        return fut
+
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
@@ -110,6 +120,12 @@ class AsyncEngine:
                     self._deliver(payload.request_id, e)
             elif kind == "abort":
                 self.engine.abort(payload)
+            elif kind == "call":
+                fn, args, fut = payload
+                try:
+                    fut.set_result(fn(*args))
+                except Exception as e:  # reported to the caller
+                    fut.set_exception(e)
 
     def _loop(self) -> None:
         try:

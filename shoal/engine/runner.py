@@ -253,7 +253,8 @@ class ModelRunner:
             torch.cuda.current_stream().wait_stream(s)
             for B in tqdm(buckets, desc="capturing CUDA graphs", file=sys.stderr, disable=not show_progress):
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.graph_pool):
+                # thread_local: the audio thread may run codec work on its own stream meanwhile
+                with torch.cuda.graph(g, pool=self.graph_pool, capture_error_mode="thread_local"):
                     self._decode_body(B)
                 self.graphs[B] = g
         torch.cuda.synchronize()

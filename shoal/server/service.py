@@ -212,7 +212,8 @@ class TTSService:
             if self.ready:
                 return
             t = time.perf_counter()
-            await self._run_prep(self.engine.engine.warmup, False)
+            # graph capture runs on the engine thread, between steps
+            await asyncio.wrap_future(self.engine.call(self.engine.engine.warmup, False))
             prepared = await self.prepare("Warm-up.", [], None, normalize=False)
             syn = await self.start(prepared.session, params=SamplingParams(greedy=True), seed=0,
                                    max_new_tokens=2, latency=DEFAULT_LATENCY)
