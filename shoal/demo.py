@@ -51,6 +51,8 @@ __all__ = [
     "write_tiny_s2_checkpoint",
 ]
 
+from .model.loader import s2_disk_key
+
 DEFAULT_CHECKPOINT_NAME = "default-s2-tiny-v1"
 DEFAULT_SEED = 2026
 
@@ -431,14 +433,6 @@ def _native_state_dict(shapes: _Shapes, seed: int, *, zero_rows_from: int | None
     return sd
 
 
-def _s2_disk_name(native: str) -> str:
-    if native.startswith("codebook_embeddings."):
-        return "audio_decoder." + native
-    if native.startswith("fast_"):
-        return "audio_decoder." + native[len("fast_"):]
-    return "text_model.model." + native
-
-
 def _split_shards(names: list[str], sizes: dict[str, int], shards: int) -> list[list[str]]:
     """Cut ``names`` (in order) into ``shards`` non-empty groups of similar byte size."""
     if not 1 <= shards <= len(names):
@@ -639,7 +633,7 @@ def write_tiny_s2_checkpoint(
         fast_head_dim=fast_head_dim, fast_intermediate=fast_intermediate,
     )
     native = _native_state_dict(shapes, seed)
-    disk = OrderedDict((_s2_disk_name(k), v) for k, v in native.items())
+    disk = OrderedDict((s2_disk_key(k), v) for k, v in native.items())
     order = [k for k in disk if k.startswith("text_model.")] + [k for k in disk if k.startswith("audio_decoder.")]
     sizes = {k: disk[k].numel() * disk[k].element_size() for k in order}
     groups = _split_shards(order, sizes, shards)

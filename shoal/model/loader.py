@@ -42,6 +42,15 @@ def remap_s2_key(key: str) -> str:
     return key
 
 
+def s2_disk_key(native: str) -> str:
+    """Native name -> S2 on-disk name (the inverse of :func:`remap_s2_key`)."""
+    if native.startswith("codebook_embeddings."):
+        return "audio_decoder." + native
+    if native.startswith("fast_"):
+        return "audio_decoder." + native[len("fast_"):]
+    return "text_model.model." + native
+
+
 def _weight_files(ckpt: Path) -> tuple[str, list[Path]]:
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from ..model.loader import CheckpointError, read_state_dict
+from ..model.loader import CheckpointError, read_state_dict, s2_disk_key
 from .fp8 import (
     BLOCK,
     FP8Linear,
@@ -99,15 +99,6 @@ def quantize_model(model: nn.Module, include_heads: bool = False,
 
 
 # ------------------------------------------------------------------ checkpoint writer
-def _s2_disk_name(native: str) -> str:
-    """Native -> S2 on-disk name (inverse of ``shoal.model.loader.remap_s2_key``)."""
-    if native.startswith("codebook_embeddings."):
-        return "audio_decoder." + native
-    if native.startswith("fast_"):
-        return "audio_decoder." + native[len("fast_"):]
-    return "text_model.model." + native
-
-
 def header_metadata(family: str, include_heads: bool, fps: dict[str, list[float]]) -> dict[str, str]:
     return {
         "format": FORMAT,
@@ -144,7 +135,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, include_heads: bool = 
 
     index = src / "model.safetensors.index.json"
     s2 = config.family == "s2" and ((src / "model.safetensors").is_file() or index.is_file())
-    disk_name = _s2_disk_name if s2 else (lambda n: n)
+    disk_name = s2_disk_key if s2 else (lambda n: n)
     # shard assignment: mirror the input's weight map where there is one
     shard_of: dict[str, str] = {}
     if index.is_file():
