@@ -100,7 +100,7 @@ def test_weight_recipe_reproduces_golden(golden_dir):
                       intermediate=128, qk_norm=True, untied_output=False, fast_dim=64, n_fast_layer=2,
                       fast_n_head=4, fast_n_local_heads=2, fast_head_dim=32, fast_intermediate=128)
     gold = s2_weights(golden_dir / "s2_tiny" / "checkpoint")
-    ours = {demo._s2_disk_name(k): v for k, v in demo._native_state_dict(s2, 1234).items()}
+    ours = {demo.s2_disk_key(k): v for k, v in demo._native_state_dict(s2, 1234).items()}
     assert ours.keys() == gold.keys()
     for k in gold:
         assert torch.equal(ours[k], gold[k]), k
