@@ -33,7 +33,7 @@ import tempfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -458,7 +458,9 @@ def _split_shards(names: list[str], sizes: dict[str, int], shards: int) -> list[
 # ---------------------------------------------------------------------------
 
 
-def _train_s2_tokenizer(bpe_vocab_size: int):
+def _train_s2_tokenizer(bpe_vocab_size: int, corpus: Iterable[str] | None = None):
+    """Qwen2-style byte-level BPE trained on ``corpus`` (default :func:`demo_corpus`), then the
+    S2 added tokens in the real order (Qwen specials, Qwen3 extras, fish specials, semantic)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -475,7 +477,7 @@ def _train_s2_tokenizer(bpe_vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(demo_corpus(), trainer=trainer)
+    tok.train_from_iterator(demo_corpus() if corpus is None else corpus, trainer=trainer)
 
     def added(content: str, special: bool) -> AddedToken:
         return AddedToken(content, single_word=False, lstrip=False, rstrip=False,

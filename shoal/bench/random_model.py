@@ -38,7 +38,22 @@ def tiny_config(max_seq_len: int = 4096) -> ModelConfig:
 
 @torch.no_grad()
 def random_dualar(config: ModelConfig, device: str | torch.device = "cuda",
-                  dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> DualAR:
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                  quantization: str | None = None) -> DualAR:
+    """``quantization="fp8"``: the transformer Linears (and both heads) become block-scaled FP8
+    (:func:`shoal.quant.quantize_model`), as ``shoal serve --quantization fp8`` does at load."""
+    model = _random_dualar(config, device, dtype, seed)
+    if quantization in (None, "none", "bf16"):
+        return model
+    if quantization != "fp8":
+        raise ValueError(f"unknown quantization {quantization!r}")
+    from ..quant.convert import quantize_model
+
+    quantize_model(model, include_heads=True)
+    return model
+
+
+def _random_dualar(config: ModelConfig, device, dtype, seed) -> DualAR:
     with torch.device("meta"):
         model = DualAR(config)
     model = model.to_empty(device=device).to(dtype)
@@ -65,14 +80,16 @@ def random_prompt(config: ModelConfig, text_tokens: int, ref_frames: int, rng: n
     return grid
 
 
-def random_codec(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, seed: int = 0):
-    """The real-size modded-DAC codec (391M parameters) with random weights."""
+def random_codec(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, seed: int = 0,
+                 config=None):
+    """The real-size modded-DAC codec (391M parameters) with random weights (or the codec of
+    ``config``, a :class:`~shoal.codec.config.CodecConfig`)."""
     from ..codec.config import CodecConfig
     from ..codec.loader import convert_state_dict
     from ..codec.model import Codec
     from ..codec.random_init import random_codec_state_dict
 
-    cfg = CodecConfig.real()
+    cfg = config if config is not None else CodecConfig.real()
     with torch.device("meta"):
         codec = Codec(cfg)
     expected = {k: v.shape for k, v in codec.state_dict().items()}

@@ -1,10 +1,11 @@
 """``shoal serve``: the HTTP server on uvicorn.
 
-    shoal serve [--checkpoint DIR] [--host 127.0.0.1] [--port 8080]
+    shoal serve [--checkpoint DIR | --random-model s2-pro|tiny] [--host 127.0.0.1] [--port 8080]
                 [--api-key KEY ... | --api-keys-file FILE] [--max-concurrency-per-key N]
                 [--device auto] [--dtype auto] [--max-running N] [--max-text-length N]
 
 Without ``--checkpoint`` the embedded tiny demo model is served (noise, not speech).
+``--random-model`` (benchmarks only) serves random weights at real shapes, built on the device.
 """
 
 from __future__ import annotations
@@ -13,13 +14,24 @@ import argparse
 import logging
 import sys
 
+log = logging.getLogger("shoal.server")
+
+RANDOM_MODEL_CHOICES = ("s2-pro", "tiny")  # shoal.bench.random_tts.RANDOM_MODELS (kept import-free)
+RANDOM_MODEL_DEFAULT_CAP = 300  # frames per request when --random-model runs without a cap
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="run the HTTP server (Fish /v1/tts, OpenAI /v1/audio/speech)",
         description="Serve a Fish Speech model over the Fish Audio API (the official fish-audio-sdk "
                     "works with base_url=http://HOST:PORT) and OpenAI's /v1/audio/speech.")
-    p.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny demo model)")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--checkpoint", help="checkpoint directory (default: the embedded tiny demo model)")
+    model.add_argument("--random-model", choices=RANDOM_MODEL_CHOICES, default=None,
+                       help="BENCHMARK ONLY: serve random weights at the shapes of this model (s2-pro: "
+                            "the real S2-Pro DualAR and codec, built on the device; tiny: CPU tests); "
+                            "the audio is noise, <|im_end|> is ignored and every request yields its "
+                            f"capped max_new_tokens frames (cap default {RANDOM_MODEL_DEFAULT_CAP})")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
@@ -61,35 +73,73 @@ def _voices_dir(arg: str | None) -> str | None:
     return None if arg.strip().lower() in ("", "none") else arg
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+def _frames_cap(args: argparse.Namespace) -> int | None:
+    """--max-new-tokens-cap; a random model (which never stops on its own) gets a default."""
+    if args.max_new_tokens_cap is None and args.random_model:
+        return RANDOM_MODEL_DEFAULT_CAP
+    return args.max_new_tokens_cap
 
-    from .app import create_app
-    from .auth import load_api_keys
-    from .config import ServerConfig
+
+def _load_checkpoint_service(args: argparse.Namespace):
     from .service import TTSService
 
-    config = ServerConfig(
-        api_keys=load_api_keys(args.api_key, args.api_keys_file),
-        max_concurrency_per_key=args.max_concurrency_per_key,
-        max_text_length=args.max_text_length,
-        max_body_bytes=args.max_body_size,
-        max_pending=args.max_pending,
-        max_new_tokens_cap=args.max_new_tokens_cap,
-        voices_dir=_voices_dir(args.voices_dir),
-    )
-    config.validate()
     if args.checkpoint:
         checkpoint = args.checkpoint
     else:
         from ..demo import default_checkpoint
 
         checkpoint = default_checkpoint()
+    return TTSService.load(checkpoint, device=args.device, dtype=args.dtype,
+                           max_running=args.max_running, max_seq_len=args.max_seq_len)
+
+
+def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
+    """``--random-model``: random weights at real shapes (benchmarks); says so loudly."""
+    import time
+
+    from ..bench.random_tts import parameter_count, random_tts
+    from .service import TTSService
+
+    t = time.perf_counter()
+    tts = random_tts(args.random_model, device=args.device, dtype=args.dtype)
+    slow, codec = parameter_count(tts)
+    service = TTSService.from_tts(tts, max_running=args.max_running, max_seq_len=args.max_seq_len,
+                                  model_name=f"random {args.random_model}", random_weights=True)
+    log.warning("RANDOM WEIGHTS, BENCHMARK ONLY: %s shapes (DualAR %.2fB parameters %s, codec %.0fM "
+                "parameters) built on %s in %.1f s; the audio is noise; <|im_end|> is ignored and every "
+                "request yields exactly min(max_new_tokens, %s) frames per text batch",
+                args.random_model, slow / 1e9, str(tts.model.dtype).removeprefix("torch."), codec / 1e6,
+                tts.model.device, time.perf_counter() - t, frames_cap)
+    return service
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .auth import load_api_keys
+    from .config import ServerConfig
+
+    frames_cap = _frames_cap(args)
+    config = ServerConfig(
+        api_keys=load_api_keys(args.api_key, args.api_keys_file),
+        max_concurrency_per_key=args.max_concurrency_per_key,
+        max_text_length=args.max_text_length,
+        max_body_bytes=args.max_body_size,
+        max_pending=args.max_pending,
+        max_new_tokens_cap=frames_cap,
+        voices_dir=_voices_dir(args.voices_dir),
+    )
+    config.validate()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    service = TTSService.load(checkpoint, device=args.device, dtype=args.dtype,
-                              max_running=args.max_running, max_seq_len=args.max_seq_len)
+    if args.random_model:
+        service = _load_random_service(args, frames_cap)
+    else:
+        service = _load_checkpoint_service(args)
     auth = f"{len(config.api_keys)} API key(s)" if config.api_keys else "open (no API key configured)"
-    print(f"shoal: serving {checkpoint} ({service.family}, {service.tts.model.device}) on "
+    what = (f"RANDOM WEIGHTS at {args.random_model} shapes (benchmark only, noise)" if args.random_model
+            else service.model_name)
+    print(f"shoal: serving {what} ({service.family}, {service.tts.model.device}) on "
           f"http://{args.host}:{args.port}, auth: {auth}", file=sys.stderr, flush=True)
     app = create_app(service, config, owns_service=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

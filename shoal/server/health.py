@@ -22,5 +22,9 @@ async def ready(request: Request) -> JSONResponse:
     service = state.service
     if not service.ready:
         return error_response(503, "warming up", {"Retry-After": str(state.config.retry_after_s)})
-    return JSONResponse({"status": "ready", "model_family": service.family,
-                         "sample_rate": service.sample_rate, "max_running": service.max_running})
+    body = {"status": "ready", "model_family": service.family, "sample_rate": service.sample_rate,
+            "max_running": service.max_running, "model": service.model_name}
+    if service.random_weights:
+        body["random_weights"] = True
+        body["warning"] = "random weights: benchmark only, the audio is noise"
+    return JSONResponse(body)

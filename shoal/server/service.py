@@ -145,9 +145,14 @@ class Synthesis:
 
 class TTSService:
     def __init__(self, tts: TTS, engine: AsyncEngine, *, resolver: VoiceResolver | None = None,
-                 prep_workers: int = 2, audio_workers: int = 4, reference_cache_size: int = 64) -> None:
+                 prep_workers: int = 2, audio_workers: int = 4, reference_cache_size: int = 64,
+                 model_name: str = "", random_weights: bool = False) -> None:
         self.tts = tts
         self.engine = engine
+        self.model_name = model_name  # what /v1/ready reports (a checkpoint path, "random s2-pro")
+        # benchmark-only models (``shoal serve --random-model``): <|im_end|> does not end a
+        # request, so every request yields exactly its (capped) max_new_tokens frames
+        self.random_weights = random_weights
         self.resolver: VoiceResolver = resolver or NoVoiceLibrary()
         self.ready = False
         self._prep = ThreadPoolExecutor(prep_workers, thread_name_prefix="shoal-prep")
@@ -164,10 +169,19 @@ class TTSService:
              max_running: int | None = None, max_seq_len: int | None = None,
              resolver: VoiceResolver | None = None) -> TTSService:
         tts = TTS.load(checkpoint, device=device, dtype=dtype)
+        return cls.from_tts(tts, max_running=max_running, max_seq_len=max_seq_len, resolver=resolver,
+                            model_name=str(checkpoint))
+
+    @classmethod
+    def from_tts(cls, tts: TTS, *, max_running: int | None = None, max_seq_len: int | None = None,
+                 resolver: VoiceResolver | None = None, model_name: str = "",
+                 random_weights: bool = False) -> TTSService:
+        """A service over a model bundle already in memory (e.g. ``shoal.bench.random_tts``)."""
         config = EngineConfig(max_running=max_running, max_seq_len=max_seq_len,
                               audio_schedule=LATENCY_SCHEDULES[DEFAULT_LATENCY])
         engine = Engine(tts.model, tts.tokenizer.im_end_id, codec=tts.codec, config=config)
-        return cls(tts, AsyncEngine(engine), resolver=resolver)
+        return cls(tts, AsyncEngine(engine), resolver=resolver, model_name=model_name,
+                   random_weights=random_weights)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -318,7 +332,7 @@ class TTSService:
         if PER_REQUEST_SCHEDULE:
             extra["audio_schedule"] = LATENCY_SCHEDULES.get(latency, LATENCY_SCHEDULES[DEFAULT_LATENCY])
         req = EngineRequest(session=session, params=params, seed=seed, max_new_tokens=max_new_tokens,
-                            priority=priority, stream_audio=True, **extra)
+                            priority=priority, stream_audio=True, ignore_eos=self.random_weights, **extra)
         agen = self.engine.generate(req)
         first_task = asyncio.ensure_future(agen.__anext__())
         watch = asyncio.ensure_future(disconnected()) if disconnected is not None else None
