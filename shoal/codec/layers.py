@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.snake import snake as snake_op
 from .config import TransformerConfig
 
 __all__ = [
@@ -183,8 +184,8 @@ class Snake(StreamingModule):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
-        a = self.alpha
-        return x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)
+        # one fused kernel on CUDA; on CPU exactly x + (α + 1e-9)⁻¹ · sin(αx)²
+        return snake_op(x, self.alpha)[0]
 
 
 def extra_padding_for_conv1d(length: int, kernel_size: int, stride: int, padding_total: int) -> int:
@@ -213,9 +214,50 @@ class CausalConv1d(StreamingModule):
         self.groups = groups
         self.kernel_size_eff = (kernel_size - 1) * dilation + 1
         self.padding = self.kernel_size_eff - stride
+        self.channels_last = False  # set by Codec.configure_serving (decoder only)
 
     def _conv(self, x: Tensor) -> Tensor:
+        if self.channels_last:
+            # conv1d as a channels-last conv2d over [B, C, 1, L] (activations stored [B, L, C])
+            y = F.conv2d(x.unsqueeze(2), self.conv.weight.unsqueeze(2), self.conv.bias, (1, self.stride), 0,
+                         (1, self.dilation), self.groups)
+            return y.squeeze(2)
         return F.conv1d(x, self.conv.weight, self.conv.bias, self.stride, 0, self.dilation, self.groups)
+
+    def _buffer(self, x: Tensor, length: int) -> Tensor:
+        """Uninitialized conv input [B, C_in, length] in this conv's activation layout."""
+        B, C = x.shape[0], x.shape[1]
+        if self.channels_last:
+            return torch.empty(B, length, C, device=x.device, dtype=x.dtype).transpose(1, 2)
+        return torch.empty(B, C, length, device=x.device, dtype=x.dtype)
+
+    def _with_context(self, buf: Tensor, state: StreamState | None) -> None:
+        """Fill buf[..., :pad] with the carried context (zeros one-shot)."""
+        if self.padding:
+            if state is None:
+                buf[..., : self.padding].zero_()
+            else:
+                buf[..., : self.padding].copy_(state[self.state_key])
+
+    def _save_context(self, buf: Tensor, state: StreamState | None) -> None:
+        if state is not None and self.padding:
+            state[self.state_key].copy_(buf[..., buf.shape[-1] - self.padding:])
+
+    def snake_conv(self, x: Tensor, alpha: Tensor, state: StreamState | None = None, y: Tensor | None = None,
+                   bias: Tensor | None = None, h_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """``conv(Snake_α(h))`` with ``h = x (+ y) (+ bias)``, stride 1, one-shot or streaming.
+
+        Snake writes straight into the conv input buffer after the left context (no pad or
+        cat pass); ``h`` is written to ``h_out`` when given. Returns ``(conv output, h)``.
+        """
+        if self.stride != 1:
+            raise NotImplementedError("snake_conv needs a stride-1 conv")
+        L = x.shape[-1]
+        buf = self._buffer(x, self.padding + L)
+        self._with_context(buf, state)
+        _, h = snake_op(x, alpha, y, bias, out=buf[..., self.padding:], h_out=h_out)
+        self._save_context(buf, state)
+        return self._conv(buf), h
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if state is None:
@@ -227,9 +269,11 @@ class CausalConv1d(StreamingModule):
             raise NotImplementedError("streaming is only implemented for stride-1 causal convs")
         if self.padding == 0:
             return self._conv(x)
-        x = torch.cat([state[self.state_key], x], dim=-1)
-        state[self.state_key] = x[..., x.shape[-1] - self.padding:].clone()
-        return self._conv(x)
+        buf = self._buffer(x, self.padding + x.shape[-1])
+        self._with_context(buf, state)
+        buf[..., self.padding:].copy_(x)
+        self._save_context(buf, state)  # in place: state tensors are static buffers (CUDA graphs)
+        return self._conv(buf)
 
     def init_stream_state(self, batch_size, device, dtype):
         if self.stride != 1 or self.padding == 0:
@@ -254,20 +298,30 @@ class CausalConvTranspose1d(StreamingModule):
         self.trim = kernel_size - stride
         if self.trim < 0:
             raise ValueError("transposed conv kernel must be >= stride")
+        self.channels_last = False  # set by Codec.configure_serving (decoder only)
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if state is None:
             y = F.conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
             return y[..., : y.shape[-1] - self.trim].contiguous()
-        n = x.shape[-1] * self.stride
-        y = F.conv_transpose1d(x, self.conv.weight, None, self.stride)
-        if self.trim:
-            y[..., : self.trim] += state[self.state_key]
-            state[self.state_key] = y[..., n:].clone()
-        y = y[..., :n]
+        y = self.forward_nobias(x, state)
         if self.conv.bias is not None:
             y = y + self.conv.bias[:, None]
         return y
+
+    def forward_nobias(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        """The causal output without the bias (a view [B, C_out, stride·L]); the caller adds
+        ``conv.bias`` (the fused decoder does it inside the next Snake). Streaming adds the
+        carried overlap tail and saves the new one in place."""
+        n = x.shape[-1] * self.stride
+        if self.channels_last:
+            y = F.conv_transpose2d(x.unsqueeze(2), self.conv.weight.unsqueeze(2), None, (1, self.stride)).squeeze(2)
+        else:
+            y = F.conv_transpose1d(x, self.conv.weight, None, self.stride)
+        if self.trim and state is not None:
+            y[..., : self.trim] += state[self.state_key]
+            state[self.state_key].copy_(y[..., n:])
+        return y[..., :n]
 
     def init_stream_state(self, batch_size, device, dtype):
         if self.trim == 0:
@@ -460,12 +514,14 @@ class WindowLimitedTransformer(StreamingModule):
     def _rope(self, n: int, device) -> Tensor:
         return rope_table(n, self.cfg.head_dim, self.cfg.rope_base, device)
 
-    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+    def forward(self, x: Tensor, state: StreamState | None = None, rope: Tensor | None = None) -> Tensor:
+        """``rope``: a preallocated RoPE table covering every position of this call
+        (CUDA-graph capture); by default the shared table is grown as needed."""
         x = x.transpose(1, 2)  # [B, T, C]
         if state is None:
             x = self._forward_full(x)
         else:
-            x = self._forward_stream(x, state)
+            x = self._forward_stream(x, state, rope)
         return self.norm(x).transpose(1, 2)
 
     def _forward_full(self, x: Tensor) -> Tensor:
@@ -496,7 +552,10 @@ class WindowLimitedTransformer(StreamingModule):
             x = layer.ffn(h)
         return x
 
-    def _forward_stream(self, x: Tensor, state: StreamState) -> Tensor:
+    def _forward_stream(self, x: Tensor, state: StreamState, rope: Tensor | None = None) -> Tensor:
+        """Queries of the new t frames over [last window−1 cached | new] keys (never T×T).
+
+        State tensors are updated in place (static buffers for CUDA graphs)."""
         key = self.state_key
         B, t, _ = x.shape
         if t == 0:
@@ -505,7 +564,7 @@ class WindowLimitedTransformer(StreamingModule):
         P = self.window - 1
         pos = state[f"{key}.pos"]  # [B]
         bound = state.bounds.get(key, 0) + t
-        table = self._rope(bound, dev)
+        table = rope if rope is not None else self._rope(bound, dev)
         ar = torch.arange(t, device=dev)
         q_pos = pos[:, None] + ar  # [B, t]
         cos_sin = table[q_pos]  # [B, t, D/2, 2]
@@ -513,15 +572,15 @@ class WindowLimitedTransformer(StreamingModule):
         mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
-            kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
-            k = torch.cat([state[kk].to(k.dtype), k], dim=2)
-            v = torch.cat([state[vk].to(v.dtype), v], dim=2)
-            state[kk] = k[:, :, k.shape[2] - P:].clone()
-            state[vk] = v[:, :, v.shape[2] - P:].clone()
+            ck, cv = state[f"{key}.layers.{i}.k"], state[f"{key}.layers.{i}.v"]
+            k = torch.cat([ck.to(k.dtype), k], dim=2)
+            v = torch.cat([cv.to(v.dtype), v], dim=2)
+            ck.copy_(k[:, :, k.shape[2] - P:])
+            cv.copy_(v[:, :, v.shape[2] - P:])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
-        state[f"{key}.pos"] = pos + t
+        pos.add_(t)
         state.bounds[key] = bound
         return x
 

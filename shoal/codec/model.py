@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import CodecConfig, QuantizerConfig
+from ..kernels.snake import snake as snake_op
 from .layers import (
     CausalConv1d,
     CausalConvTranspose1d,
@@ -83,9 +84,50 @@ class Decoder(StreamingModule):
             layers.append(DecoderBlock(in_dim, out_dim, stride))
         layers += [Snake(out_dim), CausalConv1d(out_dim, 1, 7), nn.Tanh()]
         self.model = Seq(*layers)
+        self.fused = True  # Codec.configure_serving(fused=False): the module-by-module path
+        self.channels_last = False
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        if self.fused:
+            return self._forward_fused(x, state)
         return self.model(x, state)
+
+    def _act(self, x: Tensor) -> Tensor:
+        """Uninitialized tensor shaped like x in the decoder's activation layout."""
+        B, C, L = x.shape
+        if self.channels_last:
+            return torch.empty(B, L, C, device=x.device, dtype=x.dtype).transpose(1, 2)
+        return torch.empty(B, C, L, device=x.device, dtype=x.dtype)
+
+    def _forward_fused(self, x: Tensor, state: StreamState | None) -> Tensor:
+        """The same computation as ``self.model`` with fewer passes over the activations.
+
+        The residual add of each unit is fused with the Snake that follows it (the next
+        unit's, the next block's, or the final one); each Snake writes straight into the
+        input buffer of its conv after the carried left context; the transposed conv's bias
+        is added inside the Snake that follows it. One-shot is the streaming path with zero
+        context. See docs/codec.md.
+        """
+        m = self.model
+        if self.channels_last and x.shape[1] > 1:
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        h = m[0](x, state)
+        pending: Tensor | None = None  # branch output still to be added to the residual stream h
+        for blk in m[1:-3]:
+            sn, ct, units = blk.block[0], blk.block[1], list(blk.block)[2:]
+            s, _ = snake_op(h, sn.alpha, pending)
+            y = ct.forward_nobias(s, state)
+            for j, u in enumerate(units):
+                snake1, conv7, snake2, conv1 = u.block
+                h_new = self._act(y)
+                if j == 0:
+                    a, h = conv7.snake_conv(y, snake1.alpha, state, bias=ct.conv.bias, h_out=h_new)
+                else:
+                    a, h = conv7.snake_conv(h, snake1.alpha, state, y=pending, h_out=h_new)
+                s2, _ = snake_op(a, snake2.alpha)
+                pending = conv1(s2)
+        out, _ = m[-2].snake_conv(h, m[-3].alpha, state, y=pending)
+        return torch.tanh(out)
 
 
 class VectorQuantize(nn.Module):
@@ -200,9 +242,9 @@ class DownsampleRVQ(nn.Module):
         """Clamped codes [B, 1+N, T] → z_q [B, D, T] = Σ out_proj(codebook[code])."""
         return self.semantic_quantizer.decode(codes[:, :1]) + self.quantizer.decode(codes[:, 1:])
 
-    def decode(self, codes: Tensor, state: StreamState | None = None) -> Tensor:
+    def decode(self, codes: Tensor, state: StreamState | None = None, rope: Tensor | None = None) -> Tensor:
         z = self.codes_to_latent(self.clamp_codes(codes))
-        z = self.post_module(z, state)
+        z = self.post_module(z, state, rope) if state is not None else self.post_module(z)
         return self.upsample(z, state)
 
 
@@ -294,6 +336,62 @@ class Codec(nn.Module):
             return torch.zeros(codes.shape[0], 1, 0, device=self.device, dtype=self.dtype)
         return self.decoder(self.quantizer.decode(codes))
 
-    def decode_latent(self, codes: Tensor, state: StreamState | None = None) -> Tensor:
+    def decode_latent(self, codes: Tensor, state: StreamState | None = None, rope: Tensor | None = None) -> Tensor:
         """Codes → decoder input [B, D, 4T] (post_module + upsample); used by streaming."""
-        return self.quantizer.decode(self._check_codes(codes), state)
+        return self.quantizer.decode(self._check_codes(codes), state, rope)
+
+    def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None) -> "Codec":
+        """Decode-path execution options (numerically equivalent; chosen by measurement).
+
+        ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
+        off runs the module-by-module reference structure. ``channels_last``: decoder
+        convolutions run as channels-last conv2d over activations stored [B, L, C] (cuDNN
+        often prefers NHWC for tensor cores); needs ``fused``.
+        """
+        if fused is not None:
+            self.decoder.fused = bool(fused)
+        if channels_last is not None:
+            self.decoder.channels_last = bool(channels_last)
+            for mod in self.decoder.modules():
+                if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
+                    mod.channels_last = bool(channels_last)
+        if self.decoder.channels_last and not self.decoder.fused:
+            raise ValueError("channels_last needs the fused decoder path")
+        return self
+
+    @torch.no_grad()
+    def encode_batch(self, clips: list[Tensor], max_batch: int = 16, max_batch_samples: int = 44100 * 600) -> list[Tensor]:
+        """Encode variable-length mono clips (each [N] or [1, N] or [1, 1, N]) → codes [10, ceil(N/2048)] each.
+
+        Clips are sorted by length and right-padded into batches of at most ``max_batch``
+        clips and ``max_batch_samples`` padded samples; causality makes every clip's codes
+        those of encoding it alone. Order of the result = order of ``clips``.
+        """
+        flat = []
+        for c in clips:
+            c = torch.as_tensor(c)
+            if c.dim() > 1:
+                if c.numel() != c.shape[-1]:
+                    raise ValueError(f"clips must be mono, got shape {tuple(c.shape)}")
+                c = c.reshape(-1)
+            if c.numel() == 0:
+                raise ValueError("cannot encode empty audio")
+            flat.append(c)
+        order = sorted(range(len(flat)), key=lambda i: -flat[i].numel())
+        out: list[Tensor | None] = [None] * len(flat)
+        i = 0
+        while i < len(order):
+            longest = flat[order[i]].numel()
+            longest += -longest % self.frame_length
+            n = max(1, min(max_batch, max_batch_samples // max(longest, 1)))
+            group = order[i: i + n]
+            batch = torch.zeros(len(group), 1, longest, dtype=self.dtype, device=self.device)
+            lengths = []
+            for r, j in enumerate(group):
+                batch[r, 0, : flat[j].numel()] = flat[j].to(device=self.device, dtype=self.dtype)
+                lengths.append(flat[j].numel())
+            codes, code_lengths = self.encode(batch, torch.tensor(lengths))
+            for r, j in enumerate(group):
+                out[j] = codes[r, :, : int(code_lengths[r])]
+            i += n
+        return out  # type: ignore[return-value]
