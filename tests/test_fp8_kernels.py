@@ -68,8 +68,13 @@ def _interp_case(M, K, N):
     Wq, Ws = fp8.quantize_weight_ref(w)
     y_r = fp8.fp8_gemm_ref(xq_r, xs_r, Wq, Ws)
     KB = -(-K // 128)
-    for label, cfg in (("default", None), ("split1", {"SPLIT_K": 1}), ("splitmax", {"SPLIT_K": KB}),
-                       ("bm32_bn128", {"BLOCK_M": 32, "BLOCK_N": 128, "SPLIT_K": 2})):
+    configs = [("default", None), ("split1", {"SPLIT_K": 1}), ("splitmax", {"SPLIT_K": KB}),
+               ("bm32_bn128", {"KIND": "dot", "BLOCK_M": 32, "BLOCK_N": 128, "SPLIT_K": 2}),
+               ("dot16", {"KIND": "dot", "BLOCK_M": 16, "BLOCK_N": 64})]
+    if M <= fp8.GEMV_MAX_M:
+        configs += [("gemv", {"KIND": "gemv", "BLOCK_N": 16, "SPLIT_K": 2}),
+                    ("gemv_nosplit", {"KIND": "gemv", "BLOCK_N": 64, "SPLIT_K": 1})]
+    for label, cfg in configs:
         y = fp8.fp8_gemm_triton(xq_r, xs_r, Wq, Ws, config=cfg)
         checks[f"gemm_{label}"] = (_rel(y, y_r), 2.0 ** -7)
     out = torch.full((M, N + 8), float("nan"), dtype=torch.bfloat16)[:, :N]

@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro",
                    help="model shapes (tiny: a CPU smoke run of the benchmark itself)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                   help="fp8: block-scaled FP8 weights + Triton FP8 GEMMs (shoal.quant)")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     out = Path(args.out)
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = s2_pro_config() if args.shape == "s2-pro" else tiny_config()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     t = time.perf_counter()
-    model = random_dualar(cfg, dev, dtype)
+    model = random_dualar(cfg, dev, dtype, quantization=args.quantization)
     codec = random_codec(dev, dtype) if args.audio else None
     print(f"model ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     engine = Engine(model, S2_IM_END, codec=codec, config=EngineConfig(
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
             "torch": torch.__version__, "commit": git_commit(),
-            "model": f"{args.shape} shapes, random {args.dtype} weights",
+            "model": f"{args.shape} shapes, random {args.dtype} weights"
+                     + (" (FP8 block-scaled)" if args.quantization == "fp8" else ""),
             "args": vars(args), "engine_stats": {k: v for k, v in engine.stats.items()}}
     (out / "engine.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     try:

@@ -146,6 +146,23 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
                                                       out_dtype=torch.bfloat16) for i in range(n8)], iters)
                 except Exception as e:  # noqa: BLE001
                     cell["scaled_mm_error"] = f"{type(e).__name__}: {e}"[:300]
+            if do_scaled_mm:
+                err = []
+                for label, sa, sb in (("kmajor", xs.t().contiguous().t(), Ws.t().contiguous().t()),
+                                      ("plain", xs, Ws)):
+                    try:  # blockwise 1x128 x 128x128 scales (recent torch + cuBLAS on sm_90)
+                        torch._scaled_mm(xq, wq_copies[0][0].t(), scale_a=sa, scale_b=sb,
+                                         out_dtype=torch.bfloat16)
+                        bw = [(c[0].t(), c[1].t().contiguous().t() if label == "kmajor" else c[1]) for c in wq_copies]
+                        t["scaled_mm_block"] = time_graph(
+                            [lambda i=i: torch._scaled_mm(xq, bw[i][0], scale_a=sa, scale_b=bw[i][1],  # noqa: B023
+                                                          out_dtype=torch.bfloat16) for i in range(n8)], iters)
+                        cell["scaled_mm_block_layout"] = label
+                        break
+                    except Exception as e:  # noqa: BLE001
+                        err.append(f"{label}: {type(e).__name__}: {e}"[:200])
+                if "scaled_mm_block" not in t:
+                    cell["scaled_mm_block_error"] = err
             cell["us"] = t
             cell["tbps"] = {k: (fp8_bytes if k.startswith("fp8") or k == "scaled_mm" else bf16_bytes) / (v * 1e-6) / 1e12
                             for k, v in t.items()}
@@ -158,6 +175,51 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
         _print_row(cell)
 
 
+def bench_mlp(ms, iters, results):
+    """The whole S2-Pro MLP: x -> quantize -> gate_up (19456x2560) -> SwiGLU + quantize -> down
+    (2560x9728), ours vs bf16 cuBLAS (w13 GEMM, fused SiLU*mul, w2 GEMM)."""
+    from shoal.kernels.fused import silu_mul
+
+    dev = "cuda"
+    torch.manual_seed(1)
+    w13 = (torch.randn(19456, 2560, device=dev) * 2560 ** -0.5).bfloat16()
+    w2 = (torch.randn(2560, 9728, device=dev) * 9728 ** -0.5).bfloat16()
+    q13, s13 = fp8.quantize_weight_ref(w13)
+    q2, s2 = fp8.quantize_weight_ref(w2)
+    n8 = _copies(q13.numel() + q2.numel())
+    n16 = _copies(2 * (w13.numel() + w2.numel()))
+    f8 = [(q13.clone(), s13.clone(), q2.clone(), s2.clone()) for _ in range(n8)]
+    b16 = [(w13.clone(), w2.clone()) for _ in range(n16)]
+    for M in ms:
+        cell = {"shape": "mlp", "M": M}
+        try:
+            x = torch.randn(M, 2560, device=dev).bfloat16()
+
+            def ours(i, x=x):
+                a, b, c, d = f8[i]
+                xq, xs = fp8.quantize_act(x)
+                gu = fp8.fp8_gemm(xq, xs, a, b)
+                return fp8.fp8_gemm(*fp8.silu_mul_quant(gu), c, d)
+
+            def ref(i, x=x):
+                a, c = b16[i]
+                return F.linear(silu_mul(F.linear(x, a)), c)
+
+            y, yb = ours(0).float(), ref(0).float()
+            cell["cos_vs_bf16"] = F.cosine_similarity(y.flatten(), yb.flatten(), dim=0).item()
+            cell["ok"] = bool(cell["cos_vs_bf16"] > 0.99)
+            t = {"fp8": time_graph([lambda i=i: ours(i) for i in range(n8)], iters),
+                 "bf16": time_graph([lambda i=i: ref(i) for i in range(n16)], iters)}
+            cell["us"] = t
+            cell["speedup_vs_bf16"] = t["bf16"] / t["fp8"]
+            _log(f"{'mlp':>14} {M:>5} | fp8 {t['fp8']:8.2f} us | bf16 {t['bf16']:8.2f} us | "
+                 f"{cell['speedup_vs_bf16']:5.2f}x | cos {cell['cos_vs_bf16']:.5f}")
+        except Exception as e:  # noqa: BLE001
+            cell["error"] = f"{type(e).__name__}: {e}"[:500]
+            _log(f"  mlp/M{M}: FAILED {cell['error']}")
+        results[f"mlp/M{M}"] = cell
+
+
 def _print_row(c):
     if "error" in c:
         return
@@ -167,7 +229,7 @@ def _print_row(c):
     def f(k):
         return f"{us[k]:8.2f} ({tb[k]:4.2f})" if k in us else f"{'-':>15}"
 
-    _log(f"{c['shape']:>14} {c['M']:>5} | {f('fp8')} | {f('fp8+q')} | {f('bf16')} | {f('scaled_mm')} | "
+    _log(f"{c['shape']:>14} {c['M']:>5} | {f('fp8')} | {f('fp8+q')} | {f('bf16')} | {f('scaled_mm')} | {f('scaled_mm_block')} | "
          f"{c.get('speedup_vs_bf16', 0):5.2f}x | rel {c['rel_vs_ref']:.1e} cos {c['cos_vs_bf16']:.5f} "
          f"{'ok' if c['ok'] else 'BAD'}")
 
@@ -178,6 +240,7 @@ def main(argv=None):
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--mlp", action="store_true", help="also time the whole MLP block")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         _log("kernels_fp8: CUDA not available; nothing to benchmark")
@@ -188,9 +251,9 @@ def main(argv=None):
     results = {}
     _log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  scaled_mm {do_sm}")
     _log("us per call (effective TB/s); cold weights, CUDA-graph replay, median")
-    _log(f"{'shape':>14} {'M':>5} | {'fp8':>15} | {'fp8+quant':>15} | {'bf16 cuBLAS':>15} | {'scaled_mm row':>15} |"
+    _log(f"{'shape':>14} {'M':>5} | {'fp8':>15} | {'fp8+quant':>15} | {'bf16 cuBLAS':>15} | {'scaled_mm row':>15} | {'scaled_mm block':>15} |"
          f" fp8/bf16 | check")
-    for name in args.shapes.split(","):
+    for name in [n for n in args.shapes.split(",") if n in SHAPES]:
         N, K = SHAPES[name]
         try:
             bench_shape(name, N, K, ms, args.iters, results, do_sm)
@@ -198,6 +261,11 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             results[f"{name}/setup"] = {"error": f"{type(e).__name__}: {e}"[:500]}
             _log(f"  {name}: setup FAILED {e}")
+    if "mlp" in args.shapes.split(",") or args.mlp:
+        try:
+            bench_mlp([m for m in ms if m <= 256], args.iters, results)
+        except Exception as e:  # noqa: BLE001
+            results["mlp/setup"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     n_bad = sum(1 for c in results.values() if "error" in c or not c.get("ok", False))
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": getattr(fp8.triton, "__version__", None), "python": platform.python_version(),

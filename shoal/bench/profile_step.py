@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="profile-out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro")
+    p.add_argument("--quantization", choices=["none", "fp8"], default="none")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = s2_pro_config(4096) if args.shape == "s2-pro" else tiny_config()
     dev = torch.device(args.device)
-    model = random_dualar(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    model = random_dualar(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32,
+                          quantization=args.quantization)
     report = {}
     for B in [int(b) for b in args.batch.split(",")]:
         eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=max(B, 1), max_seq_len=4096,

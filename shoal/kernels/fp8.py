@@ -362,6 +362,42 @@ if HAS_TRITON:
             tl.store(y_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
 
     @triton.jit
+    def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, stride_xm, stride_ym,
+                         kb_per_split,
+                         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+        """Small-M variant: no tensor cores, the weight tile is widened to fp32 and multiplied
+        against all M_PAD rows of x on the CUDA cores (decode, M <= 8). Same scale structure
+        and the same output / split-K workspace contract as ``_fp8_gemm_kernel``."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_m = tl.arange(0, M_PAD)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_kk = tl.arange(0, 128)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        nb = offs_n // 128
+        kb_lo = pid_k * kb_per_split
+        kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            offs_k = kb * 128 + offs_kk
+            k_mask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BN, 128]
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [M_PAD, 128]
+            part = tl.sum(a[:, None, :] * w[None, :, :], axis=2)  # [M_PAD, BN]
+            sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
+            sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
+            acc += part * sa[:, None] * sb[None, :]
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                     _round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+        else:
+            tl.store(y_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+
+    @triton.jit
     def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -385,10 +421,42 @@ def _device_sms(t: Tensor) -> int:
     return 132
 
 
-def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
-    """First-guess tiles (untuned). BLOCK_N divides 128 so a tile never straddles two weight
-    scale rows (the kernel handles it anyway: the weight scale is loaded per column)."""
+GEMV_MAX_M = 8  # the CUDA-core kernel handles M <= this; tensor-core tiles above
+
+
+def _pow2(m: int) -> int:
+    return 1 << max(0, int(m) - 1).bit_length()
+
+
+def _finish_config(cfg: dict, M: int, K: int) -> dict:
+    """Normalize a config: derive kb_per_split, drop empty splits, fill defaults."""
     KB = _cdiv(K, BLOCK)
+    cfg = dict(cfg)
+    cfg.setdefault("KIND", "dot")
+    if cfg["KIND"] == "gemv":
+        if M > GEMV_MAX_M:
+            raise ValueError(f"gemv config used for M={M} > {GEMV_MAX_M}")
+        cfg["M_PAD"] = _pow2(M)
+        cfg.pop("BLOCK_M", None)
+    else:
+        cfg.setdefault("BLOCK_M", 16)
+    cfg.setdefault("num_warps", 4)
+    cfg.setdefault("num_stages", 4)
+    split = max(1, min(int(cfg.get("SPLIT_K", 1)), KB))
+    cfg["kb_per_split"] = _cdiv(KB, split)
+    cfg["SPLIT_K"] = _cdiv(KB, cfg["kb_per_split"])  # no empty splits
+    return cfg
+
+
+def _heuristic_config(M: int, N: int, K: int, sms: int) -> dict:
+    """Untuned fallback. BLOCK_N divides 128 so a tile never straddles two weight scale rows
+    (the kernel handles it anyway: the weight scale is loaded per column)."""
+    KB = _cdiv(K, BLOCK)
+    if M <= GEMV_MAX_M:
+        bn = 32
+        tiles = _cdiv(N, bn)
+        split = max(1, min(KB // 2, _cdiv(2 * sms, tiles), 16))
+        return {"KIND": "gemv", "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
     if M <= 16:
         bm = 16
     elif M <= 32:
@@ -403,10 +471,44 @@ def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
     if M <= 128 and tiles < sms:
         # enough programs for ~2 waves of weight streaming, at least 2 K blocks each
         split = max(1, min(KB // 2, _cdiv(2 * sms, tiles), 16))
-    kb_per_split = _cdiv(KB, split)
-    split = _cdiv(KB, kb_per_split)  # no empty splits
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "kb_per_split": kb_per_split,
-            "num_warps": 4, "num_stages": 4}
+    return {"KIND": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+
+
+@functools.cache
+def _tuned_table() -> dict:
+    """``fp8_tuned.json`` beside this file: ``{"N,K": {"M": config}}`` measured on an H200 by
+    ``python -m shoal.bench.tune_fp8`` (M = the largest M of a bucket; see that module)."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).with_name("fp8_tuned.json")
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text()).get("configs", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def _tuned_config(M: int, N: int, K: int) -> dict | None:
+    table = _tuned_table().get(f"{N},{K}")
+    if not table:
+        return None
+    buckets = sorted(int(m) for m in table)
+    for b in buckets:
+        if M <= b:
+            cfg = table[str(b)]
+            if cfg.get("KIND") == "gemv" and M > GEMV_MAX_M:
+                return None
+            return cfg
+    return None
+
+
+def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
+    """The launch config: the tuned table's entry for (N, K) and M's bucket if present (tuned on
+    132-SM H200s; other GPUs fall back to the heuristic), else :func:`_heuristic_config`."""
+    cfg = _tuned_config(M, N, K) if sms == 132 else None
+    return _finish_config(cfg or _heuristic_config(M, N, K, sms), M, K)
 
 
 def _launch_kwargs(cfg: dict, interpret: bool) -> dict:
@@ -437,19 +539,23 @@ def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: 
         return out
     if K == 0:
         return out.zero_()
-    cfg = dict(_gemm_config(M, N, K, _device_sms(x_q)))
     if config:
-        cfg.update(config)
-        KB = _cdiv(K, BLOCK)
-        cfg["kb_per_split"] = _cdiv(KB, cfg["SPLIT_K"])
-        cfg["SPLIT_K"] = _cdiv(KB, cfg["kb_per_split"])
+        cfg = _finish_config({**_gemm_config(M, N, K, _device_sms(x_q)), **config}, M, K)
+    else:
+        cfg = _gemm_config(M, N, K, _device_sms(x_q))
     KB = _cdiv(K, BLOCK)
     split = cfg["SPLIT_K"]
-    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x_q.device)
-    _fp8_gemm_kernel[grid](x_q, x_s, W_q, W_s, target, M, N, K, KB, x_q.stride(0), out.stride(0),
-                           cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                           SPLIT_K=split, **_launch_kwargs(cfg, interpret))
+    if cfg["KIND"] == "gemv":
+        grid = (_cdiv(N, cfg["BLOCK_N"]), split)
+        _fp8_gemv_kernel[grid](x_q, x_s, W_q, W_s, target, M, N, K, KB, x_q.stride(0), out.stride(0),
+                               cfg["kb_per_split"], M_PAD=cfg["M_PAD"], BLOCK_N=cfg["BLOCK_N"],
+                               SPLIT_K=split, **_launch_kwargs(cfg, interpret))
+    else:
+        grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
+        _fp8_gemm_kernel[grid](x_q, x_s, W_q, W_s, target, M, N, K, KB, x_q.stride(0), out.stride(0),
+                               cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                               SPLIT_K=split, **_launch_kwargs(cfg, interpret))
     if split > 1:
         rb = 1024
         _splitk_reduce_kernel[(_cdiv(M * N, rb),)](target, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)

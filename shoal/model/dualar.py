@@ -125,6 +125,15 @@ class DualAR(nn.Module):
             return
         for layer in list(self.layers) + list(self.fast_layers):
             ff = layer.feed_forward
+            if hasattr(ff.w1, "weight_q"):  # FP8Linear (shoal.quant): one stacked FP8 GEMM
+                if getattr(ff, "w13_fp8", None) is None:
+                    w13 = type(ff.w1).concat([ff.w1, ff.w3])
+                    inter = ff.w1.out_features
+                    ff.w1.weight_q, ff.w3.weight_q = w13.weight_q[:inter], w13.weight_q[inter:]
+                    nb = ff.w1.weight_scale.shape[0]
+                    ff.w1.weight_scale, ff.w3.weight_scale = w13.weight_scale[:nb], w13.weight_scale[nb:]
+                    ff.w13_fp8 = w13
+                continue
             if getattr(ff, "w13", None) is None:
                 inter = ff.w1.weight.shape[0]
                 w13 = torch.cat([ff.w1.weight, ff.w3.weight], dim=0)
@@ -157,7 +166,16 @@ class DualAR(nn.Module):
             a = att.wo(y.reshape(N, sh.q_size))
             normed, h = add_rmsnorm(a, h, layer.ffn_norm.weight, eps)
             ff = layer.feed_forward
-            f = ff.w2(silu_mul(nn.functional.linear(normed, ff.w13)))
+            w13_fp8 = getattr(ff, "w13_fp8", None)
+            if w13_fp8 is not None and w13_fp8.use_kernels(normed):
+                from ..kernels.fp8 import silu_mul_quant
+
+                gu = w13_fp8.forward_kernels(normed)
+                f = ff.w2.forward_kernels(gu, quantized=silu_mul_quant(gu))
+            elif w13_fp8 is not None:
+                f = ff.w2(silu_mul(w13_fp8(normed)))
+            else:
+                f = ff.w2(silu_mul(nn.functional.linear(normed, ff.w13)))
             if i + 1 < len(layers):
                 normed, h = add_rmsnorm(f, h, layers[i + 1].attention_norm.weight, eps)
             else:
@@ -212,5 +230,15 @@ class DualAR(nn.Module):
                 h = layer(h, cos_sin, backend, i)
         if n_out == 0:
             return None
-        w = self.fast_output.weight if n_out is None else self.fast_output.weight[:n_out]
-        return nn.functional.linear(self.fast_norm(h[:, 0]), w)
+        head = self.fast_output
+        normed = self.fast_norm(h[:, 0])
+        if hasattr(head, "weight_q") and head.use_kernels(normed):  # FP8 head (shoal.quant)
+            from ..kernels.fp8 import fp8_gemm, quantize_act
+
+            n = head.out_features if n_out is None else n_out
+            if n % 128 == 0:  # a whole number of 128-row scale blocks: slice the weight
+                q, s = quantize_act(normed)
+                return fp8_gemm(q, s, head.weight_q[:n], head.weight_scale[: n // 128]).to(head.dtype)
+            return head(normed)[:, :n]
+        w = head.weight if n_out is None else head.weight[:n_out]
+        return nn.functional.linear(normed, w)

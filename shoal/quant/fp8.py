@@ -166,12 +166,52 @@ class FP8Linear(nn.Module):
         directly (e.g. the fast head's ``weight[:n_out]``); weight-only FP8 on that path."""
         return self.dequantized_weight().to(self.dtype)
 
+    def use_kernels(self, x: Tensor) -> bool:
+        """Whether ``forward`` runs the Triton kernels (CUDA tensors, activation quantization on)."""
+        from ..kernels import fp8 as kfp8
+
+        return self.quantize_activations and x.is_cuda and kfp8.HAS_TRITON
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.use_kernels(x):
+            return self.forward_kernels(x)
         xf = fake_quantize_act(x) if self.quantize_activations else x.float()
         y = (xf @ self.dequantized_weight().t()).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y
+
+    def forward_kernels(self, x: Tensor, quantized: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """GPU body: Triton 1x128 activation quantize + block-scaled FP8 GEMM (bf16 out, fp32
+        accumulation per 128-wide K block with both scales applied to the partial sums).
+        ``quantized``: ``(x_q, x_s)`` already produced by a fused kernel (e.g. SwiGLU + quantize)."""
+        from ..kernels import fp8 as kfp8
+
+        lead = x.shape[:-1] if quantized is None else quantized[0].shape[:-1]
+        if quantized is None:
+            x2 = x.reshape(-1, x.shape[-1])
+            quantized = kfp8.quantize_act(x2)
+        q, s = quantized
+        y = kfp8.fp8_gemm(q, s, self.weight_q, self.weight_scale)
+        if y.dtype != self.dtype:
+            y = y.to(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*lead, self.out_features)
+
+    @classmethod
+    def concat(cls, parts: list[FP8Linear]) -> FP8Linear:
+        """One FP8Linear computing ``cat([p(x) for p in parts], -1)`` (e.g. ``w1 | w3``): rows of
+        ``W_q`` and of the block-scale grid stacked; every part but the last must have a multiple
+        of 128 output rows so no 128x128 block straddles two parts."""
+        for p in parts[:-1]:
+            if p.out_features % BLOCK:
+                raise ValueError(f"concat: {p.out_features} output rows is not a multiple of {BLOCK}")
+        if len({p.in_features for p in parts}) != 1 or any(p.bias is not None for p in parts):
+            raise ValueError("concat: parts must share in_features and have no bias")
+        q = torch.cat([p.weight_q for p in parts], 0)
+        s = torch.cat([p.weight_scale for p in parts], 0)
+        return cls(q, s, None, parts[0].quantize_activations, dtype=parts[0].dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
