@@ -567,7 +567,8 @@ class WindowLimitedTransformer(StreamingModule):
         table = rope if rope is not None else self._rope(bound, dev)
         ar = torch.arange(t, device=dev)
         q_pos = pos[:, None] + ar  # [B, t]
-        cos_sin = table[q_pos]  # [B, t, D/2, 2]
+        # a fixed table (graphs) cannot grow: positions past it are clamped (documented limit)
+        cos_sin = table[q_pos if rope is None else q_pos.clamp(max=table.shape[0] - 1)]  # [B, t, D/2, 2]
         k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
         mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
         for i, layer in enumerate(self.layers):

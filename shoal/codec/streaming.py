@@ -30,13 +30,17 @@ device sync.
 
 from __future__ import annotations
 
+import os
+import threading
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
-from .layers import StreamState
+from .layers import StreamState, rope_table
 from .model import Codec
 
-__all__ = ["DecoderState", "StreamingDecoder"]
+__all__ = ["DecoderState", "StreamingDecoder", "GraphedStreamingDecoder", "serving_decoder"]
 
 DecoderState = StreamState
 
@@ -93,5 +97,234 @@ class StreamingDecoder:
             raise ValueError(f"codes have batch {B} but the state holds {state.batch_size} streams")
         if t == 0:
             return torch.zeros(B, 1, 0, device=self.codec.device, dtype=self.codec.dtype)
-        z = self.codec.decode_latent(codes, state)
+        return self._decode(codes, state)
+
+    def _decode(self, codes: Tensor, state: DecoderState, rope: Tensor | None = None) -> Tensor:
+        """The decode itself (no checks); what a CUDA graph captures (with a fixed ``rope``)."""
+        z = self.codec.decode_latent(codes, state, rope)
         return self.codec.decoder(z, state)
+
+    @torch.no_grad()
+    def decode_rows(self, codes: Tensor, pool: DecoderState, index: Tensor) -> Tensor:
+        """Decode the next frames of rows ``index`` of a pooled state (one row per stream slot);
+        the rows are gathered, advanced and written back."""
+        sub = pool.select(index)
+        out = self.decode_chunk(codes, sub)
+        pool.update_(index, sub)
+        return out
+
+
+def _pow2_buckets(max_batch: int) -> tuple[int, ...]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return tuple(out)
+
+
+@dataclass
+class _Graph:
+    graph: object
+    codes: Tensor
+    out: Tensor
+
+
+@dataclass
+class GraphStats:
+    replays: int = 0
+    eager: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    eager_reasons: dict = field(default_factory=dict)
+
+
+class GraphedStreamingDecoder(StreamingDecoder):
+    """:class:`StreamingDecoder` whose ``decode_chunk`` replays CUDA graphs.
+
+    A graph is captured (lazily, or ahead with :meth:`capture`) per (batch bucket, chunk
+    frames); a call with ``B`` streams and ``t`` frames runs the graph of the smallest bucket
+    ``>= B`` when ``t`` is one of ``chunk_frames``: the codes and the ``B`` state rows are
+    copied into static buffers (one static state of ``max(batch_buckets)`` rows shared by all
+    graphs), the graph is replayed, the rows are copied back and the output is returned (a
+    copy). Padding rows decode zero codes at position 0 and are ignored. Anything else -- CPU,
+    other chunk sizes, bigger batches, positions beyond ``max_frames`` (the preallocated RoPE
+    table) -- runs the eager path, which computes exactly the same function (the graph is a
+    recording of it; :meth:`run_static` is the uncaptured code path, testable on CPU).
+
+    Not thread-safe across concurrent callers (static buffers); captures use
+    ``capture_error_mode="thread_local"`` so another thread may keep using CUDA meanwhile.
+    """
+
+    def __init__(self, codec: Codec, batch_buckets: tuple[int, ...] | None = None,
+                 chunk_frames: tuple[int, ...] = (4, 8, 16, 32), max_frames: int = 1 << 18,
+                 max_batch: int = 64, enabled: bool | None = None):
+        super().__init__(codec)
+        self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else _pow2_buckets(max_batch)
+        self.chunk_frames = tuple(sorted(set(chunk_frames)))
+        self.max_frames = int(max_frames)
+        self.enabled = (codec.device.type == "cuda") if enabled is None else bool(enabled)
+        pm = codec.quantizer.post_module
+        self._pos_key = f"{pm.state_key}.pos"
+        self._bound_key = pm.state_key
+        # every position a graph may see; held here so the graphs' pointer stays valid
+        self.rope = rope_table(self.max_frames, pm.cfg.head_dim, pm.cfg.rope_base, codec.device)
+        self.static_state = super().new_state(self.batch_buckets[-1])
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.stats = GraphStats()
+        self._pool = None
+        self._lock = threading.RLock()
+        self._failed: dict[tuple[int, int], str] = {}
+
+    # ------------------------------------------------------------------ graph path
+    def bucket(self, batch: int) -> int | None:
+        for b in self.batch_buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def _views(self, bb: int) -> DecoderState:
+        return DecoderState({k: v[:bb] for k, v in self.static_state.tensors.items()})
+
+    def _load(self, codes_buf: Tensor, codes: Tensor, state: DecoderState, index: Tensor | None) -> None:
+        B = codes.shape[0]
+        codes_buf[:B].copy_(codes)
+        codes_buf[B:].zero_()
+        for k, v in state.tensors.items():
+            dst = self.static_state.tensors[k][:B]
+            if index is None:
+                dst.copy_(v)
+            else:
+                torch.index_select(v, 0, index, out=dst)
+        # padding rows restart at position 0 (their RoPE index stays inside the table)
+        self.static_state.tensors[self._pos_key][B: codes_buf.shape[0]].zero_()
+
+    def _store(self, B: int, state: DecoderState, index: Tensor | None, t: int) -> None:
+        for k, v in state.tensors.items():
+            src = self.static_state.tensors[k][:B]
+            if index is None:
+                v.copy_(src)
+            else:
+                v.index_copy_(0, index, src)
+        state.bounds[self._bound_key] = state.bounds.get(self._bound_key, 0) + t
+
+    def run_static(self, codes: Tensor, state: DecoderState, index: Tensor | None = None) -> Tensor:
+        """The graph's code path without capture (static buffers, padded bucket, fixed RoPE
+        table): what a replay computes. For tests and CPU."""
+        B, _, t = codes.shape
+        bb = self.bucket(B)
+        if bb is None:
+            raise ValueError(f"batch {B} exceeds the largest bucket {self.batch_buckets[-1]}")
+        buf = torch.zeros(bb, codes.shape[1], t, dtype=torch.long, device=self.codec.device)
+        self._load(buf, codes, state, index)
+        with torch.no_grad():
+            out = self._decode(buf, self._views(bb), self.rope)
+        self._store(B, state, index, t)
+        return out[:B].clone()
+
+    def _eager_reason(self, B: int, t: int, state: DecoderState) -> str | None:
+        if not self.enabled:
+            return "disabled"
+        if t not in self.chunk_frames:
+            return f"t={t}"
+        if self.bucket(B) is None:
+            return "batch"
+        if (self.bucket(B), t) in self._failed:
+            return "capture failed"
+        return None
+
+    def capture(self, batch: int, t: int) -> _Graph:
+        """Capture (or return) the graph for ``batch``'s bucket and ``t`` frames."""
+        import time
+
+        bb = self.bucket(batch)
+        if bb is None or t not in self.chunk_frames:
+            raise ValueError(f"no graph for batch {batch}, {t} frames")
+        g = self.graphs.get((bb, t))
+        if g is not None:
+            return g
+        t0 = time.perf_counter()
+        dev = self.codec.device
+        codes = torch.zeros(bb, self.num_codebooks, t, dtype=torch.long, device=dev)
+        views = self._views(bb)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.no_grad():
+            with torch.cuda.stream(side):  # warm-up: cuDNN autotuning, Triton compilation
+                for _ in range(2):
+                    self._decode(codes, views, self.rope)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._decode(codes, views, self.rope)
+        g = _Graph(graph, codes, out)
+        self.graphs[(bb, t)] = g
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        return g
+
+    def warmup(self, batches: tuple[int, ...] | None = None, chunk_frames: tuple[int, ...] | None = None) -> None:
+        """Capture every (bucket, chunk size) pair ahead of traffic."""
+        if not self.enabled:
+            return
+        with self._lock:
+            for b in batches or self.batch_buckets:
+                for t in chunk_frames or self.chunk_frames:
+                    self.capture(b, t)
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def decode_chunk(self, codes: Tensor, state: DecoderState) -> Tensor:
+        return self._run(codes, state, None)
+
+    @torch.no_grad()
+    def decode_rows(self, codes: Tensor, pool: DecoderState, index: Tensor) -> Tensor:
+        """Like :meth:`StreamingDecoder.decode_rows`, gathering the rows straight into the
+        graph's static state (no intermediate copy)."""
+        return self._run(codes, pool, index)
+
+    def _run(self, codes: Tensor, state: DecoderState, index: Tensor | None) -> Tensor:
+        if codes.dim() == 2:
+            codes = codes[None]
+        B, C, t = codes.shape if codes.dim() == 3 else (0, 0, 0)
+        n_rows = state.batch_size if index is None else len(index)
+        reason = self._eager_reason(B, t, state) if (B == n_rows and C == self.num_codebooks) else "shape"
+        if reason is None:
+            with self._lock:
+                try:
+                    self.capture(B, t)
+                except Exception as e:  # noqa: BLE001 - serve on eagerly, keep the reason
+                    self._failed[(self.bucket(B), t)] = f"{type(e).__name__}: {e}"
+                    reason = "capture failed"
+        if reason is not None:
+            self.stats.eager += 1
+            self.stats.eager_reasons[reason] = self.stats.eager_reasons.get(reason, 0) + 1
+            if index is None:
+                return StreamingDecoder.decode_chunk(self, codes, state)
+            return StreamingDecoder.decode_rows(self, codes, state, index)
+        if codes.is_floating_point():
+            raise ValueError("codes must be an integer tensor")
+        with self._lock:
+            g = self.graphs[(self.bucket(B), t)]
+            if index is not None:
+                index = index.to(self.codec.device, torch.long)
+            self._load(g.codes, codes, state, index)
+            g.graph.replay()
+            self._store(B, state, index, t)
+            self.stats.replays += 1
+            return g.out[:B].clone()
+
+
+def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> StreamingDecoder:
+    """The streaming decoder for serving: CUDA graphs on a CUDA codec unless disabled
+    (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
+    ``SHOAL_CODEC_CHANNELS_LAST=1`` switches the decoder to channels-last convolutions."""
+    if os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
+        codec.configure_serving(channels_last=os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", ""))
+    if graphs is None:
+        graphs = os.environ.get("SHOAL_CODEC_GRAPHS", "1") not in ("0", "")
+    if graphs and codec.device.type == "cuda":
+        return GraphedStreamingDecoder(codec, **kwargs)
+    return StreamingDecoder(codec)

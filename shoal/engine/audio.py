@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..codec import StreamingDecoder
+from ..codec.streaming import serving_decoder
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class AudioStreamer:
         schedule.validate()
         self.codec = codec
         self.schedule = schedule
-        self.decoder = StreamingDecoder(codec)
+        self.decoder = serving_decoder(codec, max_batch=max_streams)  # CUDA graphs on GPU, else eager
         self.sample_rate = codec.sample_rate
         self.device = next(codec.parameters()).device
         self.state = self.decoder.new_state(max_streams)
@@ -59,6 +59,11 @@ class AudioStreamer:
             self.schedules[rid] = schedule or self.schedule
         return row
 
+    def warmup(self) -> None:
+        """Capture the codec's CUDA graphs (every batch bucket x chunk size) before traffic."""
+        if hasattr(self.decoder, "warmup"):
+            self.decoder.warmup()
+
     def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
         """Queue frames of ``rid``; ``schedule`` (first push only) overrides the default."""
         self._row(rid, schedule)
@@ -74,10 +79,8 @@ class AudioStreamer:
             self.pending[r] = [rest] if rest.shape[1] else []
         batch = torch.as_tensor(np.stack(codes), dtype=torch.long, device=self.device)
         index = torch.tensor(rows, device=self.device)
-        sub = self.state.select(index)
         with torch.inference_mode():
-            audio = self.decoder.decode_chunk(batch, sub)
-        self.state.update_(index, sub)
+            audio = self.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
         for r in rids:
             self.chunks[r] += 1
         pcm = audio[:, 0].float().cpu().numpy()
@@ -144,6 +147,11 @@ class AudioWorker:
             self._thread.start()
 
     # ------------------------------------------------------------------ engine side
+    def warmup(self) -> None:
+        """Capture the codec's CUDA graphs (every batch bucket x chunk size) before traffic."""
+        if hasattr(self.decoder, "warmup"):
+            self.decoder.warmup()
+
     def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
         self._inbox.put(("push", rid, frames, schedule))
 
