@@ -218,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)
-    bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "fp8", "profile"],
+    bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "fp8", "profile",
+                                          "codec"],
                        help="engine: concurrency sweep; serve: HTTP load on a running server; gate: perf "
                             "regression gate; live: WebSocket TTFA sweep; attention/fused/profile: kernels")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark options (see shoal bench WHICH -h)")
@@ -231,7 +232,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     module = {"engine": "engine", "serve": "serve", "gate": "gate", "live": "live",
               "attention": "kernels_attention", "fused": "kernels_fused", "fp8": "kernels_fp8",
-              "profile": "profile_step"}[args.which]
+              "profile": "profile_step", "codec": "codec"}[args.which]
     return importlib.import_module(f".bench.{module}", __package__).main(args.rest)
 
 

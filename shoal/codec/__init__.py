@@ -18,7 +18,7 @@ from .config import CodecConfig, QuantizerConfig, TransformerConfig, config_for_
 from .loader import CodecFileNotFoundError, CodecLoadError, load_codec
 from .model import Codec
 from .random_init import write_random_codec
-from .streaming import DecoderState, StreamingDecoder
+from .streaming import DecoderState, GraphedStreamingDecoder, StreamingDecoder, serving_decoder
 
 __all__ = [
     "Codec",
@@ -31,6 +31,8 @@ __all__ = [
     "load_codec",
     "DecoderState",
     "StreamingDecoder",
+    "GraphedStreamingDecoder",
+    "serving_decoder",
     "write_random_codec",
     "AudioDecodeError",
     "load_audio",

@@ -1,0 +1,346 @@
+"""Codec decode at serving scale: the Snake kernel, the fused decoder path, channels-last,
+the CUDA-graph decoder's code path, the batched encoder, and the codec benchmark's smoke run.
+
+Interpreter cases of the Snake kernel run in a subprocess (this file as a script with
+``TRITON_INTERPRET=1``), as in test_fused_kernels.py. GPU tests skip without CUDA.
+"""
+
+import os
+
+if __name__ == "__main__":  # interpreter worker: must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import random
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from interpreter_worker import report_cases, run_worker
+
+from shoal.kernels import snake as sk
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+TINY = GOLDEN / "codec_tiny"
+golden = pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def ulp_diff(a, b):
+    ai = a.contiguous().view(torch.int16).to(torch.int32)
+    bi = b.contiguous().view(torch.int16).to(torch.int32)
+    ai = torch.where(ai < 0, -32768 - ai, ai)
+    bi = torch.where(bi < 0, -32768 - bi, bi)
+    return (ai - bi).abs()
+
+
+def old_snake(x, alpha):
+    """layers.Snake before the kernel existed (dac.nn.layers.snake)."""
+    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
+
+def snake_inputs(B, C, L, dtype, seed, channels_last=False):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, C, L, generator=g) * 3).to(dtype)
+    y = torch.randn(B, C, L, generator=g).to(dtype)
+    if channels_last:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        y = y.transpose(1, 2).contiguous().transpose(1, 2)
+    alpha = (torch.rand(1, C, 1, generator=g) * 2 + 0.05).to(dtype)
+    bias = (torch.randn(C, generator=g) * 0.5).to(dtype)
+    return x, y, alpha, bias
+
+
+# --------------------------------------------------------------------------------------
+# Interpreter worker
+# --------------------------------------------------------------------------------------
+
+INTERP_CASES = [f"{dt}_{lay}_{mode}" for dt in ("fp32", "bf16") for lay in ("nct", "ntc")
+                for mode in ("plain", "add", "bias", "add_bias_out")]
+
+
+def _interp_case(name):
+    dt_name, lay, mode = name.split("_", 2)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
+    x, y, alpha, bias = snake_inputs(2, 37, 301, dt, zlib.crc32(name.encode()) % 1000, channels_last=lay == "ntc")
+    yy = y if "add" in mode else None
+    bb = bias if "bias" in mode else None
+    checks, flags = {}, {}
+    if mode == "add_bias_out":  # strided out: a conv buffer after 11 context samples
+        buf = torch.full((2, 37, 312), 7.0, dtype=dt)
+        s, h = sk.snake_triton(x, alpha, yy, bb, out=buf[..., 11:], write_h=True)
+        flags["context_untouched"] = bool((buf[..., :11] == 7).all())
+        flags["out_is_view"] = s.data_ptr() == buf[..., 11:].data_ptr()
+    else:
+        s, h = sk.snake_triton(x, alpha, yy, bb, write_h=True)
+    rs, rh = sk.snake_ref(x, alpha, yy, bb)
+    flags["h_exact"] = torch.equal(h, rh)
+    if dt == torch.float32:
+        checks["rel_err"] = ((s - rs).abs().max().item() / rs.abs().max().item(), 1e-6)
+    else:
+        u = ulp_diff(s, rs)
+        checks["max_ulp"] = (float(u.max()), 1.0)
+        checks["mismatch_frac"] = ((u > 0).float().mean().item(), 1e-2)
+    flags["dispatch"] = sk.use_triton(x)
+    return {"checks": checks, "flags": flags}
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    if not sk.HAS_TRITON:
+        pytest.skip("triton not installed")
+    return run_worker(__file__)
+
+
+@pytest.mark.parametrize("name", INTERP_CASES)
+def test_snake_kernel_matches_reference_interpreter(interp_results, name):
+    res = interp_results[name]
+    assert "error" not in res, res.get("error")
+    for k, (value, limit) in res["checks"].items():
+        assert value <= limit, (k, value, limit)
+    for k, ok in res["flags"].items():
+        assert ok, (k, res)
+
+
+# --------------------------------------------------------------------------------------
+# Reference and CPU dispatch
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_snake_ref_is_layers_snake(dtype):
+    x, y, alpha, bias = snake_inputs(2, 16, 50, dtype, 1)
+    s, h = sk.snake_ref(x, alpha)
+    assert torch.equal(s, old_snake(x, alpha)) and h is x
+    s, h = sk.snake_ref(x, alpha, y, bias)
+    hh = (x + y) + bias[:, None]
+    assert torch.equal(h, hh) and torch.equal(s, old_snake(hh, alpha))
+
+
+def test_snake_cpu_dispatch_is_reference():
+    if sk.triton_interpreting():
+        pytest.skip("triton imported in interpreter mode in this process")
+    x, y, alpha, bias = snake_inputs(2, 8, 40, torch.float32, 2)
+    out, h_out = torch.empty_like(x), torch.empty_like(x)
+    s, h = sk.snake(x, alpha, y, bias, out=out, h_out=h_out)
+    rs, rh = sk.snake_ref(x, alpha, y, bias)
+    assert s is out and h is h_out and torch.equal(s, rs) and torch.equal(h, rh)
+    with pytest.raises(ValueError):
+        sk.snake_ref(x, alpha[:, :4])
+
+
+# --------------------------------------------------------------------------------------
+# Decoder paths (tiny golden codec, CPU fp32)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def codec():
+    from shoal.codec import CodecConfig, load_codec
+
+    if not (TINY / "codec.pth").is_file():
+        pytest.skip("golden vectors not available")
+    return load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+
+
+@pytest.fixture(scope="module")
+def golden_out():
+    from safetensors.torch import load_file
+
+    return load_file(str(TINY / "outputs" / "codec_golden_fp32.safetensors"))
+
+
+def random_codes(T, seed, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.randint(0, 4096, (batch, 1, T), generator=g),
+                      torch.randint(0, 1024, (batch, 9, T), generator=g)], 1)
+
+
+def stream(dec, codes, schedule):
+    st = dec.new_state(codes.shape[0])
+    outs, i = [], 0
+    for t in schedule:
+        outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
+        i += t
+    return torch.cat(outs, -1)
+
+
+@golden
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_decoder_matches_golden_and_module_path(codec, golden_out, channels_last):
+    from shoal.codec import StreamingDecoder
+
+    codes = golden_out["decode_encoded.input_codes"][None]
+    try:
+        codec.configure_serving(fused=False, channels_last=False)
+        ref = codec.decode(codes)
+        codec.configure_serving(fused=True, channels_last=channels_last)
+        out = codec.decode(codes)
+        assert (out.flatten() - golden_out["decode_encoded.waveform"]).abs().max() <= 1e-5
+        assert (out - ref).abs().max() <= 1e-6
+        dec = StreamingDecoder(codec)
+        for sched in ([1] * 28, [3] * 9 + [1], [4, 8, 16]):
+            assert (stream(dec, codes, sched) - ref).abs().max() <= 1e-4
+    finally:
+        codec.configure_serving(fused=True, channels_last=False)
+
+
+def test_channels_last_needs_fused(codec):
+    with pytest.raises(ValueError):
+        codec.configure_serving(fused=False, channels_last=True)
+    codec.configure_serving(fused=True, channels_last=False)
+
+
+@golden
+def test_graph_code_path_equals_eager(codec):
+    """run_static is what a CUDA graph records: static buffers, fixed RoPE table, padded bucket."""
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+
+    eager = StreamingDecoder(codec)
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8))
+    codes = random_codes(150, seed=7, batch=4)  # > window 128: KV eviction
+    sched = [8, 4, 8] * 7 + [4, 4, 2]
+    for B in (4, 3):  # bucket-exact: bit-equal; padded 3 -> 4: batch-dependent CPU kernels only
+        se, sg = eager.new_state(B), gd.new_state(B)
+        i = 0
+        for t in sched:
+            a = eager.decode_chunk(codes[:B, :, i:i + t], se)
+            b = gd.run_static(codes[:B, :, i:i + t], sg)
+            i += t
+            if B == 4:
+                assert torch.equal(a, b)
+            else:
+                assert (a - b).abs().max() <= 1e-5
+        assert se.bounds == sg.bounds
+        for k in se.tensors:
+            if B == 4:
+                assert torch.equal(se.tensors[k], sg.tensors[k]), k
+            else:
+                assert (se.tensors[k].float() - sg.tensors[k].float()).abs().max() <= 1e-4, k
+
+
+@golden
+def test_graph_code_path_pooled_rows(codec):
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+
+    eager = StreamingDecoder(codec)
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(2,), chunk_frames=(4,))
+    codes = random_codes(12, seed=9, batch=2)
+    pool_e, pool_g = eager.new_state(5), gd.new_state(5)
+    idx = torch.tensor([3, 1])
+    for i in range(0, 12, 4):
+        a = eager.decode_rows(codes[:, :, i:i + 4], pool_e, idx)
+        b = gd.run_static(codes[:, :, i:i + 4], pool_g, idx)
+        assert torch.equal(a, b)
+    for k in pool_e.tensors:
+        assert torch.equal(pool_e.tensors[k], pool_g.tensors[k]), k
+    assert (torch.cat([eager.decode_rows(codes[:, :, :4], eager.new_state(2), torch.tensor([0, 1]))], -1)
+            - codec.decode(codes[:, :, :4])).abs().max() <= 1e-4
+
+
+@golden
+def test_graphed_decoder_falls_back_to_eager_on_cpu(codec):
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder, serving_decoder
+
+    gd = GraphedStreamingDecoder(codec, max_batch=4)
+    assert not gd.enabled and gd.batch_buckets == (1, 2, 4)
+    codes = random_codes(20, seed=3, batch=2)
+    ref = codec.decode(codes)
+    assert (stream(gd, codes, [4, 8, 3, 5]) - ref).abs().max() <= 1e-4
+    assert gd.stats.replays == 0 and gd.stats.eager == 4
+    assert type(serving_decoder(codec)) is StreamingDecoder
+    with pytest.raises(ValueError):
+        gd.decode_chunk(torch.zeros(2, 9, 4, dtype=torch.long), gd.new_state(2))
+
+
+# --------------------------------------------------------------------------------------
+# Batched encoder
+# --------------------------------------------------------------------------------------
+
+
+@golden
+def test_encode_batch_equals_per_item(codec):
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    lengths = [2048 * 5, 3000, 2048 * 9 + 17, 777, 2048 * 2]
+    clips = [torch.randn(n, generator=g) * 0.3 for n in lengths]
+    rng.shuffle(clips)
+    singles = [codec.encode(c[None, None])[0][0] for c in clips]
+    for max_batch in (16, 2):
+        batched = codec.encode_batch(clips, max_batch=max_batch)
+        for c, a, b in zip(clips, singles, batched):
+            assert b.shape == (10, -(-c.numel() // 2048))
+            assert torch.equal(a, b)
+    # a padded batch through encode() directly: valid codes equal per-item codes
+    longest = max(lengths)
+    batch = torch.zeros(len(clips), 1, longest)
+    for i, c in enumerate(clips):
+        batch[i, 0, : c.numel()] = c
+    codes, code_lengths = codec.encode(batch, torch.tensor([c.numel() for c in clips]))
+    for i, a in enumerate(singles):
+        assert int(code_lengths[i]) == a.shape[-1]
+        assert torch.equal(codes[i, :, : a.shape[-1]], a)
+
+
+# --------------------------------------------------------------------------------------
+# Benchmark smoke run (CPU, tiny config)
+# --------------------------------------------------------------------------------------
+
+
+def test_bench_codec_smoke(tmp_path):
+    import json
+
+    from shoal.bench import codec as bench
+
+    assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1,2",
+                       "--chunks", "4,8", "--iters", "1", "--oneshot-frames", "16"]) == 0
+    res = json.loads((tmp_path / "codec.json").read_text())
+    assert res["throughput"] and all("error" not in r for r in res["throughput"])
+    assert res["latency"] and res["memory"]["weights_gib"] > 0
+    assert "reference" in res
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_gpu_snake_kernel(dtype, channels_last):
+    x, y, alpha, bias = snake_inputs(3, 96, 4099, dtype, 5, channels_last)
+    x, y, alpha, bias = (t.cuda() for t in (x, y, alpha, bias))
+    s, h = sk.snake(x, alpha, y, bias, write_h=True)
+    rs, rh = sk.snake_ref(x, alpha, y, bias)
+    assert torch.equal(h, rh)
+    if dtype == torch.float32:
+        assert (s - rs).abs().max() <= 1e-6 * rs.abs().max()
+    else:
+        assert ulp_diff(s, rs).max() <= 1
+
+
+@gpu
+@golden
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_graph_replay_equals_eager(dtype):
+    from shoal.codec import CodecConfig, GraphedStreamingDecoder, StreamingDecoder, load_codec
+
+    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cuda", dtype=dtype)
+    eager = StreamingDecoder(codec)
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 4), chunk_frames=(4, 8))
+    codes = random_codes(140, seed=1, batch=3).cuda()
+    se, sg = eager.new_state(3), gd.new_state(3)
+    i = 0
+    for t in [4, 8] * 11 + [2, 8, 4, 8]:
+        a = eager.decode_chunk(codes[:, :, i:i + t], se)
+        b = gd.decode_chunk(codes[:, :, i:i + t], sg)
+        i += t
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (a.float() - b.float()).abs().max() <= tol
+    assert gd.stats.replays == 25 and gd.stats.eager == 1
+
+
+if __name__ == "__main__":
+    assert sk.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
+    report_cases(INTERP_CASES, _interp_case)
