@@ -4,13 +4,13 @@
 # start the device command with:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 # ). The GPU image has Python 3.12 with torch, triton, numpy, tokenizers, tiktoken, safetensors,
-# tqdm, httpx, anyio, h11, prometheus-client and matplotlib already.
+# tqdm, httpx, anyio, h11, prometheus-client and matplotlib already (httpx-ws: `shoal bench live`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
 pkgs=(soundfile soxr cffi pycparser fastapi starlette pydantic pydantic-core annotated-types
       typing-inspection annotated-doc opentelemetry-api uvicorn ormsgpack python-multipart
-      wsproto av num2words)
+      wsproto av num2words httpx-ws)
 for p in "${pkgs[@]}"; do
   v=$(python3 -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')
   spec="$p${v:+==$v}"   # the versions tested here when installed, else the latest

@@ -57,6 +57,18 @@ def http_url(url: str) -> str:
     return url
 
 
+def server_info(args) -> dict | None:
+    """The server's ``/v1/ready`` JSON (model, random weights, slots), or None when unavailable."""
+    import httpx
+
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        r = httpx.get(http_url(args.url) + "/v1/ready", headers=headers, timeout=10, trust_env=False)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def sentences_for(i: int, n: int) -> list[str]:
     return [SENTENCES[(i + k) % len(SENTENCES)] for k in range(n)]
 
@@ -137,7 +149,7 @@ async def run_level(args, c: int) -> dict:
         headers["authorization"] = f"Bearer {args.api_key}"
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
     async with httpx.AsyncClient(base_url=http_url(args.url), headers=headers, timeout=args.timeout,
-                                 limits=limits) as client:
+                                 limits=limits, trust_env=False) as client:
         async def worker(w: int) -> list[dict]:
             return [await one_socket(client, args, w * args.sockets_per_client + k)
                     for k in range(args.sockets_per_client)]
@@ -212,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "url": args.url, "host": platform.node(),
+            "server": server_info(args), "args": {k: v for k, v in vars(args).items() if k != "api_key"}}
     results = []
     for c in levels:
         r = asyncio.run(run_level(args, c))
         results.append(r)
+        # after every level: a run cut short keeps the levels it finished
+        (out / "live.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
 
         def ms(v):
             return float("nan") if v is None else v
@@ -228,9 +244,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         for msg in r["error_messages"]:
             print(f"        error: {msg}", file=sys.stderr)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "url": args.url, "host": platform.node(),
-            "args": {k: v for k, v in vars(args).items() if k != "api_key"}}
-    (out / "live.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if not args.no_plot:
         try:
             plot(results, out / "live.png", f"shoal live TTS, {args.url}, {meta['date']}")

@@ -28,8 +28,8 @@ Measured per level (``wall`` = level start -> last response finished):
   transport exception's name).
 
 Writes ``OUT/serve.json`` (+ ``serve.png`` when matplotlib is installed). Only the given URL is
-contacted (default loopback); every level is bounded by ``--duration`` or ``--requests``, by
-``--max-level-s`` and by the per-request ``--timeout``.
+contacted (default loopback); every level is bounded by ``--duration``, ``--requests`` or
+``--requests-per-client``, by ``--max-level-s`` and by the per-request ``--timeout``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import platform
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -434,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--duration", type=float, default=None, metavar="S",
                    help="seconds per level during which clients send new requests (default 60)")
     g.add_argument("--requests", type=int, default=None, metavar="N", help="requests per level")
+    g.add_argument("--requests-per-client", type=int, default=None, metavar="N",
+                   help="requests per client: c x N per level (every level the same number of waves)")
     p.add_argument("--max-level-s", type=float, default=1800.0, metavar="S",
                    help="no new request after S seconds of a level (default 1800)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="limit on a whole request, send to last byte (default 300)")
@@ -520,13 +522,18 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, on_level: Callable[[dict], None] | None = None) -> dict:
+    """The sweep; ``on_level`` gets the data so far (``partial: true``) after each level."""
     levels = _levels(args.concurrency)
     if not 0.0 <= args.clone_ratio <= 1.0:
         raise SystemExit("--clone-ratio must be within 0..1")
     if args.requests is not None and not 1 <= args.requests <= MAX_REQUESTS_PER_LEVEL:
         raise SystemExit(f"--requests must be within 1..{MAX_REQUESTS_PER_LEVEL}")
-    duration = args.duration if args.duration is not None else (None if args.requests is not None else 60.0)
+    per_client = getattr(args, "requests_per_client", None)
+    if per_client is not None and not 1 <= per_client * max(levels) <= MAX_REQUESTS_PER_LEVEL:
+        raise SystemExit(f"--requests-per-client x concurrency must be within 1..{MAX_REQUESTS_PER_LEVEL}")
+    counted = args.requests is not None or per_client is not None
+    duration = args.duration if args.duration is not None else (None if counted else 60.0)
     if duration is not None and duration <= 0:
         raise SystemExit("--duration must be > 0")
     import httpx
@@ -541,6 +548,21 @@ def run(args: argparse.Namespace) -> dict:
     voice = _load_voice(args)
     server = _wait_ready(args.url, headers, args.ready_timeout)
 
+    meta = {
+        "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S %z"), "url": args.url,
+        "client_commit": git_commit(), "server": server, "python": platform.python_version(),
+        "httpx": httpx.__version__,
+        "workload": {"format": args.format, "latency": args.latency, "max_new_tokens": args.max_new_tokens,
+                     "clone_ratio": args.clone_ratio if voice.kind != "none" else 0.0,
+                     "voice": {"kind": voice.kind, "source": voice.source, "seconds": voice.seconds,
+                               "transcript_chars": len(voice.text)},
+                     "duration_s": duration, "requests": args.requests, "requests_per_client": per_client,
+                     "warmup": args.warmup,
+                     "prebuffer_ms": args.prebuffer_ms, "corpus": summary(corpus)},
+        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "frame_rate": FRAME_RATE,
+    }
+
     async def all_levels() -> list[dict]:
         index = 0
         if args.warmup > 0:
@@ -552,8 +574,9 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"warm-up errors: {dict(bad)}: {next(r.error for r in warm if not r.ok)}", file=sys.stderr)
         out = []
         for c in levels:
-            plan = LevelPlan(c, args.requests, duration, args.max_level_s, args.max_errors)
-            bar = _progress(args, args.requests, f"c={c}")
+            n = c * per_client if per_client is not None else args.requests
+            plan = LevelPlan(c, n, duration, args.max_level_s, args.max_errors)
+            bar = _progress(args, n, f"c={c}")
             try:
                 res, wall = await run_level(args.url, headers, plan, texts, args, voice, index, bar)
             finally:
@@ -562,6 +585,8 @@ def run(args: argparse.Namespace) -> dict:
             index += len(res)
             m = level_metrics(c, res, wall, args.prebuffer_ms / 1e3)
             out.append(m)
+            if on_level is not None:
+                on_level({"meta": meta, "results": list(out), "partial": True})
             print(f"c={c:4d}  {m['ok']:5d} ok {m['errors']:3d} err  {_fmt(m['requests_per_s'], '6.2f')} req/s  "
                   f"{_fmt(m['audio_s_per_s'], '7.1f')} audio-s/s  per-stream {_fmt(m['per_stream_fps_mean'], '6.1f')} fps  "
                   f"ttfa p50/p99 {_fmt(m['ttfa_p50_ms'], '.0f')}/{_fmt(m['ttfa_p99_ms'], '.0f')} ms  "
@@ -571,19 +596,6 @@ def run(args: argparse.Namespace) -> dict:
         return out
 
     results = asyncio.run(all_levels())
-    meta = {
-        "date": time.strftime("%Y-%m-%d"), "time": time.strftime("%H:%M:%S %z"), "url": args.url,
-        "client_commit": git_commit(), "server": server, "python": platform.python_version(),
-        "httpx": httpx.__version__,
-        "workload": {"format": args.format, "latency": args.latency, "max_new_tokens": args.max_new_tokens,
-                     "clone_ratio": args.clone_ratio if voice.kind != "none" else 0.0,
-                     "voice": {"kind": voice.kind, "source": voice.source, "seconds": voice.seconds,
-                               "transcript_chars": len(voice.text)},
-                     "duration_s": duration, "requests": args.requests, "warmup": args.warmup,
-                     "prebuffer_ms": args.prebuffer_ms, "corpus": summary(corpus)},
-        "args": {k: v for k, v in vars(args).items() if k != "api_key"},
-        "frame_rate": FRAME_RATE,
-    }
     return {"meta": meta, "results": results}
 
 
@@ -594,10 +606,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("shoal bench serve needs httpx: pip install httpx", file=sys.stderr)
         return 2
-    data = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
+
+    def write(data: dict) -> None:  # after every level too: a run cut short keeps its levels
+        (out / "serve.json").write_text(json.dumps(data, indent=1, ensure_ascii=False))
+
+    data = run(args, on_level=write)
+    write(data)
     print(f"wrote {out / 'serve.json'}", file=sys.stderr)
     meta = data["meta"]
     try:

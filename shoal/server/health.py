@@ -23,8 +23,8 @@ async def ready(request: Request) -> JSONResponse:
     if not service.ready:
         return error_response(503, "warming up", {"Retry-After": str(state.config.retry_after_s)})
     body = {"status": "ready", "model_family": service.family, "sample_rate": service.sample_rate,
-            "max_running": service.max_running, "model": service.model_name}
-    if service.random_weights:
+            "max_running": service.max_running, "model": getattr(service, "model_name", "")}
+    if getattr(service, "random_weights", False):  # shoal serve --random-model
         body["random_weights"] = True
         body["warning"] = "random weights: benchmark only, the audio is noise"
     return JSONResponse(body)
