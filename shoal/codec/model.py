@@ -352,9 +352,13 @@ class Codec(nn.Module):
             self.decoder.fused = bool(fused)
         if channels_last is not None:
             self.decoder.channels_last = bool(channels_last)
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
             for mod in self.decoder.modules():
                 if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
                     mod.channels_last = bool(channels_last)
+                    # weights stored channels-last once (no per-call conversion inside cuDNN)
+                    w = mod.conv.weight
+                    w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
         if self.decoder.channels_last and not self.decoder.fused:
             raise ValueError("channels_last needs the fused decoder path")
         return self
