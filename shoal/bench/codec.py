@@ -266,7 +266,8 @@ def plot(res: dict, path: Path, title: str) -> None:
     ax.legend(fontsize=7)
     ax = axes[2]
     m = res["memory"]
-    names = [k for k in ("weights_gib", "decode_path_weights_gib", "bf16_weights_gib", "bf16_decode_path_weights_gib") if k in m]
+    names = [k for k in ("weights_gib", "allocated_after_load_gib", "decode_path_weights_gib", "bf16_weights_gib",
+                         "bf16_decode_path_weights_gib") if k in m]
     ax.bar(range(len(names) + 1), [m[k] for k in names] + [REFERENCE["resident_gib"]])
     ax.set_xticks(range(len(names) + 1), names + ["reference resident"], rotation=30, fontsize=7)
     ax.axhline(REFERENCE["targets"]["resident_gib"], color="red", ls=":")
