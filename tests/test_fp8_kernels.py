@@ -69,14 +69,15 @@ def _interp_case(M, K, N):
     y_r = fp8.fp8_gemm_ref(xq_r, xs_r, Wq, Ws)
     KB = -(-K // 128)
     configs = [("default", None), ("split1", {"SPLIT_K": 1}), ("splitmax", {"SPLIT_K": KB}),
-               ("bm32_bn128", {"KIND": "dot", "BLOCK_M": 32, "BLOCK_N": 128, "SPLIT_K": 2}),
-               ("dot16", {"KIND": "dot", "BLOCK_M": 16, "BLOCK_N": 64})]
-    if M <= fp8.GEMV_MAX_M:
-        configs += [("gemv", {"KIND": "gemv", "BLOCK_N": 16, "SPLIT_K": 2}),
-                    ("gemv_nosplit", {"KIND": "gemv", "BLOCK_N": 64, "SPLIT_K": 1})]
+               ("bm32_bn128", {"BLOCK_M": 32, "BLOCK_N": 128, "SPLIT_K": 2}),
+               ("bm16_bn64", {"BLOCK_M": 16, "BLOCK_N": 64})]
     for label, cfg in configs:
         y = fp8.fp8_gemm_triton(xq_r, xs_r, Wq, Ws, config=cfg)
         checks[f"gemm_{label}"] = (_rel(y, y_r), 2.0 ** -7)
+    # quantize fused into the GEMM: the same bytes, so the same result as quantize + GEMM
+    for label, cfg in (("default", None), ("split2", {"SPLIT_K": 2})):
+        y_lin = fp8.fp8_linear_triton(x, Wq, Ws, config=cfg)
+        flags[f"linear_{label}_equals_gemm"] = torch.equal(y_lin, fp8.fp8_gemm_triton(xq_r, xs_r, Wq, Ws, config=cfg))
     out = torch.full((M, N + 8), float("nan"), dtype=torch.bfloat16)[:, :N]
     fp8.fp8_gemm_triton(xq_r, xs_r, Wq, Ws, out=out)
     checks["gemm_out"] = (_rel(out, y_r), 2.0 ** -7)
@@ -288,6 +289,7 @@ def test_gpu_kernels_match_reference(M, N, K):
     y = fp8.fp8_gemm(xq, xs, Wq, Ws)
     y_r = fp8.fp8_gemm_ref(rq, rs, Wq, Ws)
     assert _rel(y, y_r) <= 2.0 ** -7
+    assert torch.equal(fp8.fp8_linear(x, Wq, Ws), y)  # quantize fused in the prologue
     exact = x.float() @ w.float().t()
     assert ((y.float() - exact).norm() / exact.norm()).item() < 6e-2
     gu = (torch.randn(M, 2 * K, device="cuda", generator=g) * 3).bfloat16()

@@ -11,7 +11,8 @@ semantic head 4097x2560, fast head 1024x2560) and every M in --ms:
   running one call per weight copy, the copies totalling >= 256 MB (H200 L2: 50 MB), so
   weights are read cold from HBM):
   - ``fp8``: our GEMM alone (activation pre-quantized);
-  - ``fp8+q``: activation quantize + GEMM (what a linear layer costs);
+  - ``fp8+q``: ``fp8_linear``, the GEMM with the activation quantize fused in (what a
+    linear layer costs);
   - ``bf16``: ``F.linear`` (cuBLAS) on bf16 weights;
   - ``scaled_mm``: ``torch._scaled_mm`` rowwise (per-token x per-channel fp32 scales), if
     this torch/GPU supports it (M padded to a multiple of 16 when required).
@@ -128,9 +129,8 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
             t["fp8"] = time_graph([lambda i=i: fp8.fp8_gemm(xq, xs, *wq_copies[i], out=outs[i]) for i in range(n8)],  # noqa: B023 (captured at once)
                                   iters)
 
-            def lin(i):
-                q, s = fp8.quantize_act(x)  # noqa: B023 (captured at once)
-                fp8.fp8_gemm(q, s, *wq_copies[i], out=outs[i])  # noqa: B023 (captured at once)
+            def lin(i):  # a Linear layer: quantize fused into the GEMM (fp8_linear)
+                fp8.fp8_linear(x, *wq_copies[i], out=outs[i])  # noqa: B023 (captured at once)
 
             t["fp8+q"] = time_graph([lambda i=i: lin(i) for i in range(n8)], iters)
             t["bf16"] = time_graph([lambda i=i: F.linear(x, w_copies[i]) for i in range(n16)], iters)  # noqa: B023 (captured at once)
@@ -197,8 +197,7 @@ def bench_mlp(ms, iters, results):
 
             def ours(i, x=x):
                 a, b, c, d = f8[i]
-                xq, xs = fp8.quantize_act(x)
-                gu = fp8.fp8_gemm(xq, xs, a, b)
+                gu = fp8.fp8_linear(x, a, b)
                 return fp8.fp8_gemm(*fp8.silu_mul_quant(gu), c, d)
 
             def ref(i, x=x):

@@ -3,8 +3,8 @@
     python -m shoal.bench.tune_fp8 [--out DIR] [--ms 1,2,4,8,16,32,64,128] [--shapes ...]
 
 For every S2-Pro GEMM shape and every M bucket, times a grid of candidate configs of
-:func:`shoal.kernels.fp8.fp8_gemm_triton` (the CUDA-core ``gemv`` kernel for M <= 8 and
-tensor-core ``dot`` tiles at every M; tile width, split-K, warps, stages) on cold weights
+:func:`shoal.kernels.fp8.fp8_gemm_triton` (:func:`~shoal.kernels.fp8.fp8_linear_triton`,
+the activation quantize fused in; tile sizes, split-K, warps, stages) on cold weights
 (CUDA-graph replay over rotating weight copies larger than L2, median of replays), checks the
 winner against the reference, and writes ``DIR/fp8_tuned.json`` in the format
 ``shoal/kernels/fp8_tuned.json`` is read in: ``{"configs": {"N,K": {"M": config}}}``, a bucket
@@ -26,25 +26,25 @@ from shoal.kernels import fp8
 
 from .kernels_fp8 import SHAPES, _log, time_graph
 
-MS = (1, 2, 4, 8, 16, 32, 64, 128)
+MS = (1, 8, 16, 32, 64, 128, 1024)
 
 
 def candidates(M: int, K: int) -> list[dict]:
     """The search space (kept small: every distinct config is one Triton compile)."""
     KB = -(-K // 128)
     out = []
-    if M <= fp8.GEMV_MAX_M:
-        for bn, sk, nw in itertools.product((32, 64), (1, 2, 4, 8), (4, 8)):
-            out.append({"KIND": "gemv", "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": 3})
-        for sk in (1, 2, 4):
-            out.append({"KIND": "gemv", "BLOCK_N": 16, "SPLIT_K": sk, "num_warps": 4, "num_stages": 3})
-        out.append({"KIND": "dot", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "num_warps": 4, "num_stages": 4})
-    else:
-        bm = min(128, max(16, fp8._pow2(M)))
-        splits = (1, 2, 4) if M > 64 else (1, 2, 4, 8)
-        for bn, sk, nw, ns in itertools.product((64, 128), splits, (4, 8), (3, 4)):
-            out.append({"KIND": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw,
-                        "num_stages": ns})
+    if M <= 16:
+        for bn, sk, ns in itertools.product((32, 64, 128), (1, 2, 4), (3, 4)):
+            out.append({"BLOCK_M": 16, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": 4, "num_stages": ns})
+    elif M <= 64:
+        for bn, sk, ns in itertools.product((64, 128), (1, 2, 4), (3, 4)):
+            out.append({"BLOCK_M": M, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": 4, "num_stages": ns})
+    elif M <= 128:
+        for bm, bn, sk, nw in itertools.product((64, 128), (64, 128), (1, 2), (4, 8)):
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": 3})
+    else:  # prefill
+        for bm, bn, nw, ns in itertools.product((64, 128), (128,), (4, 8), (3, 4)):
+            out.append({"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": 1, "num_warps": nw, "num_stages": ns})
     seen, uniq = set(), []
     for c in out:  # splits beyond KB collapse to the same launch
         key = json.dumps({**c, "SPLIT_K": min(c["SPLIT_K"], KB)}, sort_keys=True)
@@ -57,25 +57,25 @@ def candidates(M: int, K: int) -> list[dict]:
 def tune_cell(N: int, K: int, M: int, weights, iters: int) -> dict:
     dev = "cuda"
     x = torch.randn(M, K, device=dev).bfloat16()
-    xq, xs = fp8.quantize_act(x)
+    xq, xs = fp8.quantize_act(x)  # the reference input; timings run fp8_linear (fused quantize)
     Wq0, Ws0 = weights[0]
     y_ref = fp8.fp8_gemm_ref(xq, xs, Wq0, Ws0).float()
     outs = [torch.empty(M, N, dtype=torch.bfloat16, device=dev) for _ in weights]
     results = []
     for cfg in candidates(M, K):
         try:
-            y = fp8.fp8_gemm_triton(xq, xs, Wq0, Ws0, config=cfg).float()
+            y = fp8.fp8_linear_triton(x, Wq0, Ws0, config=cfg).float()
             rel = ((y - y_ref).abs().max() / y_ref.abs().max()).item()
             if rel > 2.0 ** -7:
                 results.append({"config": cfg, "error": f"rel {rel:.2e}"})
                 continue
-            us = time_graph([lambda i=i, c=cfg: fp8.fp8_gemm_triton(xq, xs, *weights[i], out=outs[i], config=c)
+            us = time_graph([lambda i=i, c=cfg: fp8.fp8_linear_triton(x, *weights[i], out=outs[i], config=c)
                              for i in range(len(weights))], iters)
             results.append({"config": cfg, "us": us})
         except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
             results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
     ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
-    default = fp8._heuristic_config(M, N, K, fp8._device_sms(xq))
+    default = fp8._heuristic_config(M, N, K, fp8._device_sms(x))
     best = ok[0] if ok else None
     nbytes = N * K + N * -(-K // 128) * 4 + M * K + M * N * 2
     return {"N": N, "K": K, "M": M, "best": best, "top5": ok[:5], "n_tried": len(results),
@@ -116,20 +116,24 @@ def main(argv=None) -> int:
                      f"[{cell['n_tried']} tried, {cell['n_failed']} failed, {time.time() - t0:.0f}s]")
             else:
                 _log(f"{name:>14} M={M:<4} no working config")
+            if args.out:  # after every cell, so a time limit keeps what was measured
+                _write(args.out, table, cells)
         del weights
         torch.cuda.empty_cache()
+    _log(f"tuned {len(cells)} cells in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _write(out: str, table: dict, cells: list) -> None:
     doc = {"device": torch.cuda.get_device_name(), "sms": fp8._device_sms(torch.empty(0, device="cuda")),
            "torch": torch.__version__, "triton": getattr(fp8.triton, "__version__", None),
            "commit": os.environ.get("SHOAL_COMMIT"), "date": time.strftime("%Y-%m-%d"),
            "configs": table}
-    _log(f"tuned {len(cells)} cells in {time.time() - t0:.0f}s")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "fp8_tuned.json"), "w") as fh:
-            json.dump(doc, fh, indent=1)
-        with open(os.path.join(args.out, "tune_fp8_cells.json"), "w") as fh:
-            json.dump(cells, fh, indent=1)
-    return 0
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "fp8_tuned.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with open(os.path.join(out, "tune_fp8_cells.json"), "w") as fh:
+        json.dump(cells, fh, indent=1)
 
 
 if __name__ == "__main__":

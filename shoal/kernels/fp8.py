@@ -84,6 +84,8 @@ __all__ = [
     "fp8_gemm",
     "fp8_gemm_ref",
     "fp8_gemm_triton",
+    "fp8_linear",
+    "fp8_linear_triton",
     "quantize_act",
     "quantize_act_ref",
     "quantize_act_triton",
@@ -281,16 +283,23 @@ if HAS_TRITON:
         return tl.where(av < 0.015625, sub, normal)
 
     @triton.jit
-    def _quant_rows(v, q_ptrs, s_ptrs, mask, s_mask):
-        """v fp32 [G, 128] (masked lanes 0) -> store e4m3 q and one scale per row of v."""
+    def _quant_tile(v):
+        """v fp32 [G, 128] -> (e4m3 [G, 128], fp32 dequant scale [G]) per row. IEEE divisions
+        (``div_rn``: a plain ``/`` compiles to the approximate ``div.full.f32`` on the GPU)."""
         amax = tl.max(tl.abs(v), axis=1)
         amax = tl.maximum(amax, 1e-10)
-        qs = 448.0 / amax
-        scale = 1.0 / qs
+        qs = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+        scale = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), qs)
         y = v * qs[:, None]
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
         y = _round_e4m3(y)
-        tl.store(q_ptrs, y.to(tl.float8e4nv), mask=mask)
+        return y.to(tl.float8e4nv), scale
+
+    @triton.jit
+    def _quant_rows(v, q_ptrs, s_ptrs, mask, s_mask):
+        """v fp32 [G, 128] (masked lanes 0) -> store e4m3 q and one scale per row of v."""
+        y, scale = _quant_tile(v)
+        tl.store(q_ptrs, y, mask=mask)
         tl.store(s_ptrs, scale, mask=s_mask)
 
     @triton.jit
@@ -330,7 +339,11 @@ if HAS_TRITON:
     @triton.jit
     def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, stride_xm, stride_ym,
                          kb_per_split,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                         QUANT_A: tl.constexpr):
+        """QUANT_A: ``x_ptr`` is the bf16/fp32 activation, quantized per 1x128 group in the
+        prologue of every K block (the same arithmetic as ``_quantize_act_kernel``, so the same
+        bytes and scales); ``xs_ptr`` is unused."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -350,44 +363,11 @@ if HAS_TRITON:
                         mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None],
                         mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [128, BLOCK_N]
+            if QUANT_A:
+                a, sa = _quant_tile(a.to(tl.float32))
+            else:
+                sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
             part = tl.dot(a, b)
-            sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
-            sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
-            acc += part * sa[:, None] * sb[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K == 1:
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-                     _round_bf16(acc).to(tl.bfloat16), mask=out_mask)
-        else:
-            tl.store(y_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
-
-    @triton.jit
-    def _fp8_gemv_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, stride_xm, stride_ym,
-                         kb_per_split,
-                         M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-        """Small-M variant: no tensor cores, the weight tile is widened to fp32 and multiplied
-        against all M_PAD rows of x on the CUDA cores (decode, M <= 8). Same scale structure
-        and the same output / split-K workspace contract as ``_fp8_gemm_kernel``."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_m = tl.arange(0, M_PAD)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_kk = tl.arange(0, 128)
-        m_mask = offs_m < M
-        n_mask = offs_n < N
-        nb = offs_n // 128
-        kb_lo = pid_k * kb_per_split
-        kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
-        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            offs_k = kb * 128 + offs_kk
-            k_mask = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [BN, 128]
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # [M_PAD, 128]
-            part = tl.sum(a[:, None, :] * w[None, :, :], axis=2)  # [M_PAD, BN]
-            sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
             sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
             acc += part * sa[:, None] * sb[None, :]
         out_mask = m_mask[:, None] & n_mask[None, :]
@@ -421,7 +401,7 @@ def _device_sms(t: Tensor) -> int:
     return 132
 
 
-GEMV_MAX_M = 8  # the CUDA-core kernel handles M <= this; tensor-core tiles above
+FUSED_QUANT_MAX_M = 128  # fp8_linear quantizes activations inside the GEMM up to this M
 
 
 def _pow2(m: int) -> int:
@@ -431,15 +411,9 @@ def _pow2(m: int) -> int:
 def _finish_config(cfg: dict, M: int, K: int) -> dict:
     """Normalize a config: derive kb_per_split, drop empty splits, fill defaults."""
     KB = _cdiv(K, BLOCK)
-    cfg = dict(cfg)
-    cfg.setdefault("KIND", "dot")
-    if cfg["KIND"] == "gemv":
-        if M > GEMV_MAX_M:
-            raise ValueError(f"gemv config used for M={M} > {GEMV_MAX_M}")
-        cfg["M_PAD"] = _pow2(M)
-        cfg.pop("BLOCK_M", None)
-    else:
-        cfg.setdefault("BLOCK_M", 16)
+    cfg = {k: v for k, v in cfg.items() if k != "KIND"}  # (tables from the first tuner had it)
+    cfg.setdefault("BLOCK_M", 16)
+    cfg.setdefault("BLOCK_N", 64)
     cfg.setdefault("num_warps", 4)
     cfg.setdefault("num_stages", 4)
     split = max(1, min(int(cfg.get("SPLIT_K", 1)), KB))
@@ -449,29 +423,18 @@ def _finish_config(cfg: dict, M: int, K: int) -> dict:
 
 
 def _heuristic_config(M: int, N: int, K: int, sms: int) -> dict:
-    """Untuned fallback. BLOCK_N divides 128 so a tile never straddles two weight scale rows
-    (the kernel handles it anyway: the weight scale is loaded per column)."""
+    """Fallback when the tuned table has no entry. BLOCK_N divides 128 so a tile never
+    straddles two weight scale rows (the kernel handles it anyway: the weight scale is loaded
+    per column)."""
     KB = _cdiv(K, BLOCK)
-    if M <= GEMV_MAX_M:
-        bn = 32
-        tiles = _cdiv(N, bn)
-        split = max(1, min(KB // 2, _cdiv(2 * sms, tiles), 16))
-        return {"KIND": "gemv", "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
-    if M <= 16:
-        bm = 16
-    elif M <= 32:
-        bm = 32
-    elif M <= 64:
-        bm = 64
-    else:
-        bm = 128
+    bm = min(64, max(16, _pow2(M)))
     bn = 64 if M <= 64 else 128
     tiles = _cdiv(M, bm) * _cdiv(N, bn)
     split = 1
     if M <= 128 and tiles < sms:
         # enough programs for ~2 waves of weight streaming, at least 2 K blocks each
         split = max(1, min(KB // 2, _cdiv(2 * sms, tiles), 16))
-    return {"KIND": "dot", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
 @functools.cache
@@ -491,17 +454,15 @@ def _tuned_table() -> dict:
 
 
 def _tuned_config(M: int, N: int, K: int) -> dict | None:
+    """The entry of the smallest tuned bucket >= M (the largest bucket for bigger M)."""
     table = _tuned_table().get(f"{N},{K}")
     if not table:
         return None
     buckets = sorted(int(m) for m in table)
     for b in buckets:
         if M <= b:
-            cfg = table[str(b)]
-            if cfg.get("KIND") == "gemv" and M > GEMV_MAX_M:
-                return None
-            return cfg
-    return None
+            return table[str(b)]
+    return table[str(buckets[-1])]
 
 
 def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
@@ -524,42 +485,69 @@ def _require_triton(t: Tensor) -> bool:
     return interpret
 
 
+def _out_buffer(out: Tensor | None, M: int, N: int, device) -> Tensor:
+    if out is None:
+        return torch.empty(M, N, dtype=torch.bfloat16, device=device)
+    if out.dtype != torch.bfloat16 or tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1):
+        raise ValueError(f"out: must be bf16 [{M}, {N}] with unit stride along N, got "
+                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+    return out
+
+
+def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: Tensor, M: int, N: int,
+                 K: int, config: dict | None, interpret: bool) -> Tensor:
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    base = _gemm_config(M, N, K, _device_sms(x))
+    cfg = _finish_config({**base, **config}, M, K) if config else base
+    KB = _cdiv(K, BLOCK)
+    split = cfg["SPLIT_K"]
+    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
+    _fp8_gemm_kernel[grid](x, x if x_s is None else x_s, W_q, W_s, target, M, N, K, KB, x.stride(0),
+                           out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
+                           BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, QUANT_A=x_s is None,
+                           **_launch_kwargs(cfg, interpret))
+    if split > 1:
+        rb = 1024
+        _splitk_reduce_kernel[(_cdiv(M * N, rb),)](target, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)
+    return out
+
+
 def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
                     config: dict | None = None) -> Tensor:
     """Triton block-scaled FP8 GEMM -> bf16 ``[M, N]`` (into ``out`` if given: bf16 [M, N], unit
     stride along N). ``config`` overrides :func:`_gemm_config` (for tuning / tests)."""
     M, N, K = _check_gemm(x_q, x_s, W_q, W_s)
     interpret = _require_triton(x_q)
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=x_q.device)
-    elif out.dtype != torch.bfloat16 or tuple(out.shape) != (M, N) or (N > 1 and out.stride(1) != 1):
-        raise ValueError(f"out: must be bf16 [{M}, {N}] with unit stride along N, got "
-                         f"{out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    if config:
-        cfg = _finish_config({**_gemm_config(M, N, K, _device_sms(x_q)), **config}, M, K)
-    else:
-        cfg = _gemm_config(M, N, K, _device_sms(x_q))
-    KB = _cdiv(K, BLOCK)
-    split = cfg["SPLIT_K"]
-    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x_q.device)
-    if cfg["KIND"] == "gemv":
-        grid = (_cdiv(N, cfg["BLOCK_N"]), split)
-        _fp8_gemv_kernel[grid](x_q, x_s, W_q, W_s, target, M, N, K, KB, x_q.stride(0), out.stride(0),
-                               cfg["kb_per_split"], M_PAD=cfg["M_PAD"], BLOCK_N=cfg["BLOCK_N"],
-                               SPLIT_K=split, **_launch_kwargs(cfg, interpret))
-    else:
-        grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
-        _fp8_gemm_kernel[grid](x_q, x_s, W_q, W_s, target, M, N, K, KB, x_q.stride(0), out.stride(0),
-                               cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                               SPLIT_K=split, **_launch_kwargs(cfg, interpret))
-    if split > 1:
-        rb = 1024
-        _splitk_reduce_kernel[(_cdiv(M * N, rb),)](target, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)
-    return out
+    out = _out_buffer(out, M, N, x_q.device)
+    return _launch_gemm(x_q, x_s, W_q, W_s, out, M, N, K, config, interpret)
+
+
+def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
+                      config: dict | None = None) -> Tensor:
+    """``x [M, K]`` (bf16/fp16/fp32, unit stride along K) -> bf16 ``[M, N]``: the 1x128
+    activation quantize fused into the GEMM's prologue (one launch instead of two; the same
+    quantized bytes and scales as :func:`quantize_act`, so the same result as
+    ``fp8_gemm(*quantize_act(x), W_q, W_s)``). Above :data:`FUSED_QUANT_MAX_M` rows (prefill)
+    the activation is quantized once by its own kernel instead of once per output tile."""
+    if x.dim() != 2:
+        raise ValueError(f"x: must be 2-D [M, K], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x: unsupported dtype {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N, Kw = check_weight(W_q, W_s)
+    if Kw != K:
+        raise ValueError(f"x has K={K} but the weight has K={Kw}")
+    if M > FUSED_QUANT_MAX_M:
+        return fp8_gemm_triton(*quantize_act_triton(x), W_q, W_s, out=out, config=config)
+    interpret = _require_triton(x)
+    out = _out_buffer(out, M, N, x.device)
+    return _launch_gemm(x, None, W_q, W_s, out, M, N, K, config, interpret)
 
 
 def _groups_per_program(KB: int) -> int:
@@ -619,6 +607,13 @@ def fp8_gemm(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor 
         out.copy_(y)
         return out
     return y
+
+
+def fp8_linear(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None) -> Tensor:
+    """``dequant(quantize_act(x)) @ dequant(W)^T`` in bf16 (fused Triton kernel when it can run)."""
+    if use_triton(x):
+        return fp8_linear_triton(x, W_q, W_s, out=out)
+    return fp8_gemm(*quantize_act_ref(x), W_q, W_s, out=out)
 
 
 def quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -233,12 +233,11 @@ class DualAR(nn.Module):
         head = self.fast_output
         normed = self.fast_norm(h[:, 0])
         if hasattr(head, "weight_q") and head.use_kernels(normed):  # FP8 head (shoal.quant)
-            from ..kernels.fp8 import fp8_gemm, quantize_act
+            from ..kernels.fp8 import fp8_linear
 
             n = head.out_features if n_out is None else n_out
             if n % 128 == 0:  # a whole number of 128-row scale blocks: slice the weight
-                q, s = quantize_act(normed)
-                return fp8_gemm(q, s, head.weight_q[:n], head.weight_scale[: n // 128]).to(head.dtype)
+                return fp8_linear(normed, head.weight_q[:n], head.weight_scale[: n // 128]).to(head.dtype)
             return head(normed)[:, :n]
         w = head.weight if n_out is None else head.weight[:n_out]
         return nn.functional.linear(normed, w)
