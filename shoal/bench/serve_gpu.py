@@ -16,8 +16,10 @@ server's Prometheus metrics after the runs) and ``summary.json`` (phase timings,
 headline numbers). Progress goes to stdout, flushed. Each phase runs in its own process with
 a time limit, under one overall ``--deadline-s``.
 
-Profiles (``--profile``): ``quick`` (about 4-6 minutes on an H200 with start-up), ``full``
-(more levels and requests), ``smoke`` (the tiny random model on CPU, seconds: tests).
+Profiles (``--profile``): ``quick`` (default: HTTP c = 1, 16, 64 x 3 requests of 300 frames,
+live 1, 8, 32 sockets x 2; about 3-5 minutes on an H200 with start-up, never over 500 s),
+``full`` (HTTP c up to 128, live up to 64; up to 560 s), ``smoke`` (the tiny random model on
+CPU, seconds: tests).
 The GPU machine has the server's wheels in ``/tmp/site`` (``scripts/gpu-wheels.sh``)::
 
     PYTHONPATH=/tmp/site:$PWD python3 -m shoal.bench.serve_gpu "$OUT" --profile quick
@@ -63,8 +65,8 @@ PROFILES: dict[str, Profile] = {
                      ready_timeout_s=240, serve_budget_s=180, live_budget_s=120, request_timeout_s=90,
                      deadline_s=500),
     "full": Profile("s2-pro", "1,4,16,32,64,128", 3, 400, "1,8,32,64", 2, 3, 100, 8.0,
-                    ready_timeout_s=240, serve_budget_s=260, live_budget_s=150, request_timeout_s=120,
-                    deadline_s=580),
+                    ready_timeout_s=240, serve_budget_s=240, live_budget_s=150, request_timeout_s=120,
+                    deadline_s=560),
     "smoke": Profile("tiny", "1,2", 1, 8, "1,2", 1, 1, 8, 0.0,
                      ready_timeout_s=90, serve_budget_s=60, live_budget_s=60, request_timeout_s=30,
                      deadline_s=240),
