@@ -297,8 +297,8 @@ def run(out: Path, p: Profile, *, profile_name: str, port: int | None, device: s
                                                       p.live_budget_s, clock)
             scrape_metrics(url, out / "metrics.prom")
             summary["gpu_after"] = gpu_info()
-        except Exception as e:  # noqa: BLE001 - reported, the server still stopped below
-            summary["error"] = str(e)
+        except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported; SIGTERM lands here too
+            summary["error"] = str(e) or type(e).__name__
             clock.say(f"FAILED: {e}")
         finally:
             summary["server_exit"] = stop_server(proc, clock)
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.deadline_s is not None:
         p = Profile(**{**asdict(p), "deadline_s": args.deadline_s})
 
-    def on_term(signum, frame):  # run()'s finally stops the server
-        raise KeyboardInterrupt(f"signal {signum}")
+    def on_term(signum, frame):  # run() stops the server and still writes summary.json
+        raise KeyboardInterrupt(f"interrupted by signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
     summary = run(Path(args.out), p, profile_name=args.profile, port=args.port, device=args.device,
