@@ -76,7 +76,7 @@ def _interp_case(M, K, N):
         checks[f"gemm_{label}"] = (_rel(y, y_r), 2.0 ** -7)
     # quantize fused into the GEMM: the same bytes, so the same result as quantize + GEMM
     for label, cfg in (("default", None), ("split2", {"SPLIT_K": 2})):
-        y_lin = fp8.fp8_linear_triton(x, Wq, Ws, config=cfg)
+        y_lin = fp8.fp8_linear_triton(x, Wq, Ws, config=cfg, fuse_quant=True)
         flags[f"linear_{label}_equals_gemm"] = torch.equal(y_lin, fp8.fp8_gemm_triton(xq_r, xs_r, Wq, Ws, config=cfg))
     out = torch.full((M, N + 8), float("nan"), dtype=torch.bfloat16)[:, :N]
     fp8.fp8_gemm_triton(xq_r, xs_r, Wq, Ws, out=out)

@@ -401,7 +401,10 @@ def _device_sms(t: Tensor) -> int:
     return 132
 
 
-FUSED_QUANT_MAX_M = 128  # fp8_linear quantizes activations inside the GEMM up to this M
+# fp8_linear quantizes activations inside the GEMM's prologue only up to this M. Measured on the
+# H200 (2026-11-29) the prologue quantize stalls the pipelined weight stream (wqkv M=1: 12.4 us
+# fused vs 8.9 + ~1.5 us for a separate quantize kernel; far worse at M >= 32), so it is off.
+FUSED_QUANT_MAX_M = 0
 
 
 def _pow2(m: int) -> int:
@@ -527,12 +530,11 @@ def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: 
 
 
 def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
-                      config: dict | None = None) -> Tensor:
-    """``x [M, K]`` (bf16/fp16/fp32, unit stride along K) -> bf16 ``[M, N]``: the 1x128
-    activation quantize fused into the GEMM's prologue (one launch instead of two; the same
-    quantized bytes and scales as :func:`quantize_act`, so the same result as
-    ``fp8_gemm(*quantize_act(x), W_q, W_s)``). Above :data:`FUSED_QUANT_MAX_M` rows (prefill)
-    the activation is quantized once by its own kernel instead of once per output tile."""
+                      config: dict | None = None, fuse_quant: bool | None = None) -> Tensor:
+    """``x [M, K]`` (bf16/fp16/fp32, unit stride along K) -> bf16 ``[M, N]``, equal to
+    ``fp8_gemm(*quantize_act(x), W_q, W_s)``. ``fuse_quant`` (default: M <=
+    :data:`FUSED_QUANT_MAX_M`) quantizes in the GEMM's prologue instead of a separate kernel
+    (one launch, the same bytes and scales, so the same result; slower on the H200, see there)."""
     if x.dim() != 2:
         raise ValueError(f"x: must be 2-D [M, K], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -543,7 +545,7 @@ def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None
     N, Kw = check_weight(W_q, W_s)
     if Kw != K:
         raise ValueError(f"x has K={K} but the weight has K={Kw}")
-    if M > FUSED_QUANT_MAX_M:
+    if not (M <= FUSED_QUANT_MAX_M if fuse_quant is None else fuse_quant):
         return fp8_gemm_triton(*quantize_act_triton(x), W_q, W_s, out=out, config=config)
     interpret = _require_triton(x)
     out = _out_buffer(out, M, N, x.device)
