@@ -309,7 +309,7 @@ def test_bench_codec_smoke(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_gpu_snake_kernel(dtype, channels_last):
-    x, y, alpha, bias = snake_inputs(3, 96, 4099, dtype, 5, channels_last)
+    x, y, alpha, bias = snake_inputs(1, 96, 600001, dtype, 5, channels_last)  # > 65535 L-blocks
     x, y, alpha, bias = (t.cuda() for t in (x, y, alpha, bias))
     s, h = sk.snake(x, alpha, y, bias, write_h=True)
     rs, rh = sk.snake_ref(x, alpha, y, bias)
@@ -324,9 +324,20 @@ def test_gpu_snake_kernel(dtype, channels_last):
 @golden
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_graph_replay_equals_eager(dtype):
-    from shoal.codec import CodecConfig, GraphedStreamingDecoder, StreamingDecoder, load_codec
+    from shoal.codec import CodecConfig, load_codec
 
     codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cuda", dtype=dtype)
+    tf32 = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # batch 3 vs bucket 4
+    try:
+        _graph_vs_eager(codec, dtype)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _graph_vs_eager(codec, dtype):
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+
     eager = StreamingDecoder(codec)
     gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 4), chunk_frames=(4, 8))
     codes = random_codes(140, seed=1, batch=3).cuda()
@@ -336,7 +347,7 @@ def test_gpu_graph_replay_equals_eager(dtype):
         a = eager.decode_chunk(codes[:, :, i:i + t], se)
         b = gd.decode_chunk(codes[:, :, i:i + t], sg)
         i += t
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
         assert (a.float() - b.float()).abs().max() <= tol
     assert gd.stats.replays == 25 and gd.stats.eager == 1
 

@@ -67,7 +67,7 @@ if HAS_TRITON:
 
     def _snake_kernel(
         x_ptr, y_ptr, b_ptr, a_ptr, o_ptr, h_ptr,
-        C, L, n_cblocks,
+        C, L, n_cblocks, n_lblocks,
         sxb, sxc, sxl, syb, syc, syl, sob, soc, sol, shb, shc, shl,
         HAS_Y: tl.constexpr,
         HAS_B: tl.constexpr,
@@ -77,10 +77,11 @@ if HAS_TRITON:
         DT: tl.constexpr,
         ACCURATE_SIN: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        b = (pid // n_cblocks).to(tl.int64)
-        c = (pid % n_cblocks) * BC + tl.arange(0, BC)
-        l = tl.program_id(1).to(tl.int64) * BL + tl.arange(0, BL)
+        pid = tl.program_id(0).to(tl.int64)  # one flat grid axis (2^31 programs; y/z stop at 65535)
+        row = pid // n_lblocks
+        b = row // n_cblocks
+        c = (row % n_cblocks).to(tl.int32) * BC + tl.arange(0, BC)
+        l = (pid % n_lblocks) * BL + tl.arange(0, BL)
         cm = c < C
         m = cm[:, None] & (l < L)[None, :]
         c64 = c.to(tl.int64)
@@ -151,9 +152,10 @@ def snake_triton(x: Tensor, alpha: Tensor, y: Tensor | None = None, bias: Tensor
     n_cb = triton.cdiv(C, bc)
     yy = y if y is not None else x
     hh = h_out if h_out is not None else out
-    _kernel()[(B * n_cb, triton.cdiv(L, bl))](
+    n_lb = triton.cdiv(L, bl)
+    _kernel()[(B * n_cb * n_lb,)](
         x, yy, bv if bv is not None else a, a, out, hh,
-        C, L, n_cb,
+        C, L, n_cb, n_lb,
         *x.stride(), *yy.stride(), *out.stride(), *hh.stride(),
         HAS_Y=y is not None,
         HAS_B=bv is not None,
