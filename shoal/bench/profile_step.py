@@ -22,6 +22,39 @@ from ..engine.sampling import SamplingParams
 from .random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
 
 
+def profile_prefill(model, cfg, dev, tokens: int) -> dict:
+    """Wall time and top CPU / GPU ops of the engine steps that prefill one prompt (after a
+    warm-up request of the same length, so compilation is excluded)."""
+    eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=4, max_seq_len=4096, num_blocks=1024))
+    rng = np.random.default_rng(0)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def one(i):
+        eng.add_request(EngineRequest(session=GridSession(random_prompt(cfg, tokens - tokens // 2, tokens // 2, rng)),
+                                      params=SamplingParams(temperature=0.8, top_p=0.8, top_k=30), seed=i,
+                                      max_new_tokens=1, ignore_eos=True))
+        eng.run_until_done()
+        sync()
+
+    one(0)
+    t = time.perf_counter()
+    one(1)
+    wall = time.perf_counter() - t
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        one(2)
+    ka = prof.key_averages()
+    print(f"=== prefill {tokens} tokens + 1 frame: {wall * 1e3:.1f} ms wall", flush=True)
+    print(ka.table(sort_by="cpu_time_total", row_limit=20), flush=True)
+    if dev.type == "cuda":
+        print(ka.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    return {"tokens": tokens, "wall_ms": wall * 1e3,
+            "top_cpu": [{"name": e.key[:120], "cpu_ms": e.cpu_time_total / 1e3, "count": e.count}
+                        for e in sorted(ka, key=lambda e: -e.cpu_time_total)[:30]]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", default="1,64")
@@ -30,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                   help="instead: profile the engine steps that prefill one TOKENS-token prompt")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -40,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     model = random_dualar(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32,
                           quantization=args.quantization)
     report = {}
+    if args.prefill:
+        report["prefill"] = profile_prefill(model, cfg, dev, args.prefill)
+        (out / "profile_step.json").write_text(json.dumps(report, indent=1))
+        return 0
     for B in [int(b) for b in args.batch.split(",")]:
         eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=max(B, 1), max_seq_len=4096,
                                                            num_blocks=B * 64 + 64))
