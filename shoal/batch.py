@@ -472,7 +472,8 @@ def _frame_seconds(checkpoint: Path, codec) -> float:
 def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | None = None, *,
               device: str | None = "auto", dtype: str | None = "auto", max_running: int | None = None,
               max_new_tokens: int = 1024, chunk_length: int | None = None, audio: bool = True,
-              progress: bool = True, log: Callable[[str], None] | None = None) -> BatchSummary:
+              progress: bool = True, log: Callable[[str], None] | None = None,
+              quantization: str | None = None) -> BatchSummary:
     """Run a JSONL batch job; see the module docstring and docs/batch.md."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     requests = Path(requests)
@@ -500,7 +501,7 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
             return summary
         _generate(requests, pending, npy_codes, out, checkpoint, summary, device=device, dtype=dtype,
                   max_running=max_running, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
-                  audio=audio, progress=progress, say=say)
+                  audio=audio, progress=progress, say=say, quantization=quantization)
     return summary
 
 
@@ -526,7 +527,7 @@ def _reconcile_manifest(path: Path, lines: list[RequestLine], pending: list[Requ
 
 def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, np.ndarray], out: Path,
               checkpoint, summary: BatchSummary, *, device, dtype, max_running, max_new_tokens,
-              chunk_length, audio, progress, say) -> None:
+              chunk_length, audio, progress, say, quantization=None) -> None:
     import torch
     from tqdm import tqdm
 
@@ -545,7 +546,7 @@ def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, 
     t_load = time.perf_counter()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    model, tokenizer = load_dualar(checkpoint, device=dev, dtype=dt)
+    model, tokenizer = load_dualar(checkpoint, device=dev, dtype=dt, quantization=quantization)
     family = model.config.family
     audio_refs = sorted({r.path for ln in pending for r in ln.references if r.kind == "audio"})
     codec = None
@@ -662,7 +663,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
         summary = run_batch(args.requests, args.out, args.checkpoint, device=args.device,
                             dtype=args.dtype, max_running=args.max_running,
                             max_new_tokens=args.max_new_tokens, chunk_length=args.chunk_length,
-                            audio=not args.no_audio)
+                            audio=not args.no_audio, quantization=args.quantization)
     except KeyboardInterrupt:  # before generation started (loading, encoding references)
         print("\nshoal batch: interrupted before generation started; no outputs were written",
               file=sys.stderr)
@@ -692,6 +693,8 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: quantize a bf16 checkpoint to block-scaled FP8 at load")
     p.add_argument("--max-running", type=int, default=None, metavar="N",
                    help="requests decoded together (default: 128 on CUDA, 16 on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=1024, metavar="N",

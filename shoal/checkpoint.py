@@ -56,20 +56,39 @@ def read_config(path: str | Path, tokenizer: TextTokenizer) -> ModelConfig:
     return config.with_semantic_ids(begin, end)
 
 
+QUANTIZATIONS = ("none", "fp8")
+
+
 def load_dualar(path: str | Path, device: str | torch.device | None = "cpu",
                 dtype: str | torch.dtype | None = None,
-                max_seq_len: int | None = None) -> tuple[DualAR, TextTokenizer]:
-    """Load the DualAR model and its tokenizer from a checkpoint directory."""
+                max_seq_len: int | None = None,
+                quantization: str | None = None) -> tuple[DualAR, TextTokenizer]:
+    """Load the DualAR model and its tokenizer from a checkpoint directory.
+
+    An FP8 checkpoint written by ``shoal quantize`` is recognized by its header and loaded with
+    its block-scaled weights (layout verified). ``quantization="fp8"`` quantizes a bf16
+    checkpoint at load (the transformer Linears and both heads, as ``shoal quantize`` does);
+    ``"none"`` / None keeps the checkpoint's weights as stored."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: checkpoint directory not found")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
     dev = resolve_device(device if isinstance(device, str) or device is None else str(device))
     dt = resolve_dtype(dtype, dev)
     tokenizer = load_tokenizer(path)
     config = read_config(path, tokenizer)
     if max_seq_len:
         config = config.with_max_seq_len(max_seq_len)
+    from .quant.loader import is_fp8_checkpoint, load_fp8_model
+
+    if is_fp8_checkpoint(path):
+        return load_fp8_model(path, config, device=dev, dtype=dt), tokenizer
     model = load_model(path, config, device=dev, dtype=dt)
+    if quantization == "fp8":
+        from .quant.convert import quantize_model
+
+        quantize_model(model, include_heads=True)
     return model, tokenizer
 
 

@@ -32,6 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="fp8: quantize a bf16 checkpoint to block-scaled FP8 at load (FP8 "
+                        "checkpoints from `shoal quantize` are detected and need no flag)")
 
 
 def _add_reference_args(p: argparse.ArgumentParser, audio: bool) -> None:
@@ -82,7 +85,8 @@ def cmd_say(args: argparse.Namespace) -> int:
     from .engine.generate import Fidelity
     from .tts import TTS
 
-    tts = TTS.load(_checkpoint(args.checkpoint), device=args.device, dtype=args.dtype)
+    tts = TTS.load(_checkpoint(args.checkpoint), device=args.device, dtype=args.dtype,
+                   quantization=args.quantization)
     refs = _references(args, tts)
     fidelity = Fidelity.reference(tts.family) if args.reference_mode else Fidelity()
     out = tts.synthesize(args.text, refs, _sampling(args, tts.family), seed=args.seed,

@@ -40,10 +40,10 @@ class TTS:
 
     @classmethod
     def load(cls, checkpoint: str | Path, device: str | None = None, dtype: str | None = None,
-             codec: str | Path | None = None) -> "TTS":
+             codec: str | Path | None = None, quantization: str | None = None) -> "TTS":
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        model, tokenizer = load_dualar(checkpoint, device=dev, dtype=dt)
+        model, tokenizer = load_dualar(checkpoint, device=dev, dtype=dt, quantization=quantization)
         codec_model = load_codec(codec_path(codec or checkpoint), device=dev, dtype=torch.float32)
         return cls(model, tokenizer, codec_model)
 

@@ -309,3 +309,27 @@ def _k_major_bytes(k, v):
     if k.endswith(".weight_scale"):
         return v.t().contiguous().reshape(v.shape)
     return None
+
+
+def test_load_dualar_quantizes_at_load_and_detects_fp8_checkpoints(tiny_s2_checkpoint, tmp_path):
+    """``--quantization fp8`` quantizes a bf16 checkpoint at load; an FP8 checkpoint written by
+    `shoal quantize` loads as FP8 without the flag; both give the same weights."""
+    from shoal.checkpoint import load_dualar
+    from shoal.quant.convert import quantize_checkpoint
+    from shoal.quant.fp8 import FP8Linear
+
+    plain, _ = load_dualar(tiny_s2_checkpoint, dtype="fp32")
+    assert not any(isinstance(m, FP8Linear) for m in plain.modules())
+    at_load, _ = load_dualar(tiny_s2_checkpoint, dtype="fp32", quantization="fp8")
+    q_at_load = {n: m for n, m in at_load.named_modules() if isinstance(m, FP8Linear)}
+    assert "layers.0.attention.wqkv" in q_at_load and "fast_output" in q_at_load
+    out = tmp_path / "fp8"
+    quantize_checkpoint(tiny_s2_checkpoint, out, include_heads=True)
+    stored, _ = load_dualar(out, dtype="fp32")
+    q_stored = {n: m for n, m in stored.named_modules() if isinstance(m, FP8Linear)}
+    assert q_stored.keys() == q_at_load.keys()
+    for n, m in q_stored.items():
+        assert torch.equal(m.weight_q.view(torch.uint8), q_at_load[n].weight_q.view(torch.uint8)), n
+        assert torch.equal(m.weight_scale, q_at_load[n].weight_scale), n
+    with pytest.raises(ValueError, match="unknown quantization"):
+        load_dualar(tiny_s2_checkpoint, quantization="int4")
