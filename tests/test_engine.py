@@ -192,6 +192,37 @@ def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread):
         assert done[rid].timings["first_audio_s"] <= done[rid].timings["total_s"]
 
 
+@pytest.mark.parametrize("audio_thread", [False, True])
+def test_codec_failure_fails_only_that_request(s2, voice, audio_thread):
+    """A codec call that raises (e.g. CUDA out of memory) fails the requests it was decoding with
+    an error summary; the audio worker and the other requests go on."""
+    model, tok, ckpt = s2
+    codec = load_codec(ckpt / "codec.pth")
+    eng = Engine(model, tok.im_end_id, codec=codec,
+                 config=EngineConfig(max_running=3, num_blocks=64, audio_thread=audio_thread,
+                                     audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8)))
+    streamer = eng.audio.streamer
+    real = streamer._decode
+
+    def flaky(rids, n):
+        if "bad" in rids:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(rids, n)
+
+    streamer._decode = flaky
+    eng.add_request(EngineRequest(session=session(tok, 0, voice), params=SAMPLED, seed=1, max_new_tokens=12,
+                                  stream_audio=True, request_id="bad", audio_schedule=ChunkSchedule(first=3)))
+    eng.add_request(EngineRequest(session=session(tok, 1, voice), params=SAMPLED, seed=2, max_new_tokens=12,
+                                  stream_audio=True, request_id="good"))
+    done, events = run(eng)
+    assert done["bad"].reason == "error" and "out of memory" in done["bad"].error
+    assert done["good"].reason != "error"
+    good = [e.pcm for e in events if isinstance(e, AudioEvent) and e.request_id == "good"]
+    assert sum(len(c) for c in good) == 12 * 2048
+    assert not [e for e in events if isinstance(e, AudioEvent) and e.request_id == "bad"]
+    assert len(streamer.free_rows) == 3  # every row released
+
+
 def test_s1_engine_equals_reference_loop(tiny_s1_checkpoint, voice):
     model, tok = load_dualar(tiny_s1_checkpoint, dtype=torch.float32)
     eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=3, num_blocks=64))

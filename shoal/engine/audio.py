@@ -86,8 +86,10 @@ class AudioStreamer:
         pcm = audio[:, 0].float().cpu().numpy()
         return [pcm[i] for i in range(len(rids))]
 
-    def decode_ready(self) -> list[tuple[str, np.ndarray]]:
-        """Decode every stream whose next chunk is complete; one codec call per chunk size."""
+    def decode_ready(self, failed: list[tuple[str, str]] | None = None) -> list[tuple[str, np.ndarray]]:
+        """Decode every stream whose next chunk is complete; one codec call per chunk size.
+        With ``failed`` given, a codec call that raises (e.g. out of memory) releases its streams
+        and appends ``(rid, message)`` to it instead of raising; other streams go on."""
         by_size: dict[int, list[str]] = {}
         for rid, frames in self.pending.items():
             have = sum(f.shape[1] for f in frames)
@@ -96,7 +98,15 @@ class AudioStreamer:
                 by_size.setdefault(need, []).append(rid)
         out: list[tuple[str, np.ndarray]] = []
         for n, rids in sorted(by_size.items()):
-            out.extend(zip(rids, self._decode(rids, n)))
+            if failed is None:
+                out.extend(zip(rids, self._decode(rids, n)))
+                continue
+            try:
+                out.extend(zip(rids, self._decode(rids, n)))
+            except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
+                for rid in rids:
+                    self.release(rid)
+                    failed.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
         return out
 
     def finish(self, rid: str) -> np.ndarray | None:
@@ -123,8 +133,9 @@ class AudioWorker:
     """Drives an :class:`AudioStreamer` from the engine, inline or on its own thread.
 
     The engine only enqueues commands (``push`` frames, ``finish`` or ``release`` a request) and
-    ``poll``s results: ``("audio", rid, pcm)`` and, once a finished request's last audio is out,
-    ``("done", rid)``. Threaded, the codec runs beside the LLM decode (on its own CUDA stream
+    ``poll``s results: ``("audio", rid, pcm)``, once a finished request's last audio is out
+    ``("done", rid)``, and ``("error", rid, message)`` when the codec failed on a request's audio
+    (that request alone fails; e.g. an out-of-memory decode does not stop the worker). Threaded, the codec runs beside the LLM decode (on its own CUDA stream
     on GPU), so decode steps never wait for audio; inline (CPU, tests), the same commands are
     processed when polled. Commands of one request are processed in order; the audio is the same
     either way (streaming decode is chunk-schedule invariant).
@@ -196,14 +207,22 @@ class AudioWorker:
             if kind == "push":
                 s.push(rid, frames, schedule)
             elif kind == "finish":
-                pcm = s.finish(rid)
+                try:
+                    pcm = s.finish(rid)
+                except Exception as e:  # noqa: BLE001 - this request fails, the worker lives on
+                    s.release(rid)
+                    self._outbox.put(("error", rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
+                    continue
                 if pcm is not None and len(pcm):
                     self._outbox.put(("audio", rid, pcm))
                 self._outbox.put(("done", rid))
             else:
                 s.release(rid)
-        for rid, pcm in s.decode_ready():
+        failed: list[tuple[str, str]] = []
+        for rid, pcm in s.decode_ready(failed):
             self._outbox.put(("audio", rid, pcm))
+        for rid, msg in failed:
+            self._outbox.put(("error", rid, msg))
 
     def _loop(self) -> None:
         import contextlib

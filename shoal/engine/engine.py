@@ -50,16 +50,21 @@ class Engine:
             model.enable_fused_kernels()
         self.max_seq_len = min(cfg.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         max_blocks_per_seq = -(-self.max_seq_len // cfg.block_size)
+        self.audio: AudioWorker | None = None
+        if codec is not None:
+            threaded = cfg.audio_thread if cfg.audio_thread is not None else on_cuda
+            streamer = AudioStreamer(codec, max_running, cfg.audio_schedule)
+            if on_cuda and cfg.num_blocks is None:
+                # the codec's graphs and workspaces are allocated before the KV pool takes its
+                # share of the free memory (lazily captured graphs ran the GPU out of memory)
+                streamer.warmup()
+            self.audio = AudioWorker(streamer, threaded)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
             max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda))
         self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
-        self.audio: AudioWorker | None = None
-        if codec is not None:
-            threaded = cfg.audio_thread if cfg.audio_thread is not None else on_cuda
-            self.audio = AudioWorker(AudioStreamer(codec, max_running, cfg.audio_schedule), threaded)
         self._audio_pending: dict[str, tuple[EngineRequest, str]] = {}  # finished, audio not yet out
         self.requests: dict[str, EngineRequest] = {}
         self.max_running = max_running
@@ -73,7 +78,7 @@ class Engine:
         per_block = 2 * s.n_layer * cfg.block_size * s.n_local_heads * s.head_dim * self.model.dtype.itemsize
         if self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
-            reserve = 4 << 30  # activations, graphs, codec
+            reserve = 6 << 30  # activations, LLM graphs, codec eager fallbacks
             return max(int((free - reserve) * cfg.kv_memory_fraction) // per_block, 2 * max_blocks_per_seq)
         # CPU: room for every slot at 1/4 of the context, capped at 256 MiB
         want = max_running * max(max_blocks_per_seq // 4, 4)
@@ -81,6 +86,8 @@ class Engine:
 
     def warmup(self, show_progress: bool = True) -> None:
         self.runner.capture_graphs(show_progress)
+        if self.audio is not None:
+            self.audio.streamer.warmup()  # no-op when already captured (or on CPU)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
@@ -285,6 +292,12 @@ class Engine:
                 if req is not None and req.first_audio_time is None:
                     req.first_audio_time = time.perf_counter()
                 out.append(AudioEvent(rid, item[2], self.audio.sample_rate))
+            elif item[0] == "error":  # the codec failed on this request's audio
+                if rid in self.requests:
+                    self._finish(self.requests[rid], "error", out, error=item[2])
+                elif pending is not None:
+                    del self._audio_pending[rid]
+                    out.append(self._finish_event(pending[0], "error", item[2]))
             elif pending is not None:  # "done": the request's audio is all out
                 del self._audio_pending[rid]
                 out.append(self._finish_event(pending[0], pending[1]))
