@@ -120,3 +120,17 @@ def test_serve_gpu_stops_the_server_when_startup_fails(tmp_path):
     summary = serve_gpu.run(tmp_path, p, profile_name="bad", port=None, device="cpu")
     assert serve_gpu.failed(summary) and "exited with status" in summary["error"]
     assert summary["server_exit"] not in (None, 0) and "serve" not in summary["phases"]
+
+
+def test_serve_quantization_flag_loads_fp8(tiny_s2_checkpoint):
+    """`shoal serve --quantization fp8` quantizes the checkpoint at load (CPU: the PyTorch FP8 path)."""
+    from shoal.quant.fp8 import FP8Linear
+    from shoal.server.service import TTSService
+
+    assert _serve_args("--quantization", "fp8").quantization == "fp8"
+    assert _serve_args().quantization == "none"
+    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", max_running=2, quantization="fp8")
+    try:
+        assert isinstance(svc.tts.model.layers[0].attention.wqkv, FP8Linear)
+    finally:
+        svc.close()

@@ -71,7 +71,8 @@ def random_model_config(name: str) -> ModelConfig:
         raise ValueError(f"unknown random model {name!r}; choose one of {', '.join(RANDOM_MODELS)}") from None
 
 
-def random_tts(name: str, device: str | None = None, dtype: str | None = None, seed: int = 0):
+def random_tts(name: str, device: str | None = None, dtype: str | None = None, seed: int = 0,
+               quantization: str | None = None):
     """A :class:`~shoal.tts.TTS` with random weights at the shapes of ``name`` (``s2-pro`` | ``tiny``):
     the DualAR in ``dtype`` (auto: bf16 on CUDA), the codec in fp32 (as ``TTS.load`` loads it)."""
     from ..checkpoint import resolve_device, resolve_dtype
@@ -81,7 +82,7 @@ def random_tts(name: str, device: str | None = None, dtype: str | None = None, s
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     tokenizer = s2_layout_tokenizer()
-    model = random_dualar(config, device=dev, dtype=dt, seed=seed)
+    model = random_dualar(config, device=dev, dtype=dt, seed=seed, quantization=quantization)
     codec = random_codec(device=dev, dtype=torch.float32, seed=seed, config=_codec_config(name))
     return TTS(model, tokenizer, codec)
 
