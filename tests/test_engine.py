@@ -285,3 +285,20 @@ def test_prefill_only_request_warms_the_prefix_cache(s2, voice):
 def GridSessionFor(grid):
     from shoal.engine.request import GridSession
     return GridSession(grid)
+
+
+def test_warm_prefill_leaves_the_engine_as_it_was(s2, voice):
+    """Engine.warmup(prefill=True) (default on CUDA) runs throw-away prefills of many lengths;
+    afterwards nothing is cached or counted, and outputs equal the reference loop."""
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=96, prefill_chunk=64))
+    free_before = eng.pool.num_free
+    eng.warmup(show_progress=False, prefill=True)
+    assert not eng.requests and eng.stats["prefill_tokens"] == 0 and eng.stats["finished"] == 0
+    assert eng.pool.hit_tokens == 0 and eng.pool.queried_tokens == 0
+    assert eng.pool.num_free == free_before
+    eng.add_request(EngineRequest(session=session(tok, 1, voice), params=GREEDY, max_new_tokens=4,
+                                  request_id="after"))
+    done, _ = run(eng)
+    assert np.array_equal(done["after"].codes, solo(model, tok, 1, voice, GREEDY, 0, 4))
+    assert eng.pool.hit_tokens == 0  # the warm-up prompts left nothing to hit

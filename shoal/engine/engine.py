@@ -84,10 +84,37 @@ class Engine:
         want = max_running * max(max_blocks_per_seq // 4, 4)
         return max(min(want, (256 << 20) // per_block), max_blocks_per_seq + 1)
 
-    def warmup(self, show_progress: bool = True) -> None:
+    def warmup(self, show_progress: bool = True, prefill: bool | None = None) -> None:
+        """Capture the decode graphs (and the codec's), then (``prefill``, default on CUDA) run
+        throw-away prefills of lengths that cover every launch-config bucket and Triton
+        specialization of the prefill kernels, so no kernel compiles while serving (a cold FP8
+        prefill compiled its GEMM variants inside the first requests)."""
         self.runner.capture_graphs(show_progress)
         if self.audio is not None:
             self.audio.streamer.warmup()  # no-op when already captured (or on CPU)
+        if prefill if prefill is not None else self.model.device.type == "cuda":
+            self.warm_prefill()
+
+    def warm_prefill(self) -> None:
+        from .request import GridSession
+
+        if self.requests:  # never step real requests here (their events would be lost)
+            return
+        cfg = self.model.config
+        chunk = self.config.prefill_chunk
+        lengths = sorted({n for n in (7, 10, 16, 20, 32, 33, 64, 100, 128, 300, chunk - 3, chunk)
+                          if 2 <= n < self.max_seq_len})
+        saved = dict(self.stats)
+        for i, n in enumerate(lengths):
+            grid = np.zeros((cfg.num_codebooks + 1, n), dtype=np.int64)
+            text_ids = min(cfg.semantic_begin_id or cfg.vocab_size, cfg.vocab_size)
+            grid[0] = (np.arange(n) * 7919 + 104729 * (i + 1)) % text_ids  # plain text ids
+            self.add_request(EngineRequest(session=GridSession(grid), prefill_only=True,
+                                           request_id=f"__warm_prefill_{i}"))
+            self.run_until_done()
+        self.stats = saved
+        self.pool.reset_prefix_cache()  # no warm-up blocks stay cached
+        self.pool.reset_stats()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: EngineRequest) -> None:
