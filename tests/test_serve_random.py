@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import torch
 from live_server import LiveServer, sine_wav
 
 from shoal.bench.random_tts import s2_layout_tokenizer
@@ -129,8 +130,11 @@ def test_serve_quantization_flag_loads_fp8(tiny_s2_checkpoint):
 
     assert _serve_args("--quantization", "fp8").quantization == "fp8"
     assert _serve_args().quantization == "none"
-    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", max_running=2, quantization="fp8")
+    assert _serve_args().codec_dtype == "fp32" and _serve_args("--codec-dtype", "bf16").codec_dtype == "bf16"
+    svc = TTSService.load(tiny_s2_checkpoint, device="cpu", max_running=2, quantization="fp8",
+                          codec_dtype="bf16")
     try:
         assert isinstance(svc.tts.model.layers[0].attention.wqkv, FP8Linear)
+        assert next(svc.tts.codec.parameters()).dtype == torch.bfloat16
     finally:
         svc.close()

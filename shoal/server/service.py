@@ -167,8 +167,10 @@ class TTSService:
     @classmethod
     def load(cls, checkpoint: str | Path, *, device: str | None = None, dtype: str | None = None,
              max_running: int | None = None, max_seq_len: int | None = None,
-             resolver: VoiceResolver | None = None, quantization: str | None = None) -> TTSService:
-        tts = TTS.load(checkpoint, device=device, dtype=dtype, quantization=quantization)
+             resolver: VoiceResolver | None = None, quantization: str | None = None,
+             codec_dtype: str | None = None) -> TTSService:
+        tts = TTS.load(checkpoint, device=device, dtype=dtype, quantization=quantization,
+                       codec_dtype=codec_dtype)
         return cls.from_tts(tts, max_running=max_running, max_seq_len=max_seq_len, resolver=resolver,
                             model_name=str(checkpoint))
 
