@@ -195,3 +195,21 @@ def test_bench_serve_timeout_and_duration_bounds(live, tmp_path):
     r = data["results"][0]
     assert data["meta"]["workload"]["duration_s"] == 0.5
     assert r["requests"] >= 2 and r["ok"] == r["requests"] and r["errors"] == 0
+
+
+def test_plots_survive_levels_without_successes(tmp_path):
+    """A sweep whose every request failed (e.g. 401s) still writes its plots (matplotlib refused
+    to log-scale axes with no data)."""
+    pytest.importorskip("matplotlib")
+    from shoal.bench import live, serve
+
+    keys = ("audio_s_per_s", "requests_per_s", "per_stream_fps_mean", "per_stream_fps_p10", "rtf_p50",
+            "rtf_p90", "stall_s_per_request_mean") + tuple(f"{k}_{q}_ms" for k in ("ttfa", "e2e")
+                                                          for q in ("p50", "p90", "p99"))
+    rows = [{"concurrency": c, "underrun_request_fraction": None, **{k: None for k in keys}} for c in (1, 4)]
+    serve.plot(rows, tmp_path / "serve.png", "all failed")
+    live_rows = [{"concurrency": c, **{k: None for k in ("ttfa_p50_ms", "ttfa_p99_ms", "sentence_to_audio_p50_ms",
+                                                          "sentence_to_audio_p99_ms", "total_p50_s",
+                                                          "total_p99_s")}} for c in (1, 8)]
+    live.plot(live_rows, tmp_path / "live.png", "all failed")
+    assert (tmp_path / "serve.png").stat().st_size > 0 and (tmp_path / "live.png").stat().st_size > 0

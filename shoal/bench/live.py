@@ -181,17 +181,25 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     cs = [r["concurrency"] for r in results]
+
+    def series(key: str) -> list[float]:
+        return [float("nan") if r.get(key) is None else r[key] for r in results]
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    axes[0].plot(cs, [r["ttfa_p50_ms"] for r in results], "o-", label="TTFA p50")
-    axes[0].plot(cs, [r["ttfa_p99_ms"] for r in results], "o--", label="TTFA p99")
-    axes[0].plot(cs, [r["sentence_to_audio_p50_ms"] for r in results], "s-", label="sentence end -> audio p50")
-    axes[0].plot(cs, [r["sentence_to_audio_p99_ms"] for r in results], "s--", label="sentence end -> audio p99")
-    axes[0].set(xscale="log", xlabel="concurrent sockets", ylabel="ms", title="first text -> first audio")
+    axes[0].plot(cs, series("ttfa_p50_ms"), "o-", label="TTFA p50")
+    axes[0].plot(cs, series("ttfa_p99_ms"), "o--", label="TTFA p99")
+    axes[0].plot(cs, series("sentence_to_audio_p50_ms"), "s-", label="sentence end -> audio p50")
+    axes[0].plot(cs, series("sentence_to_audio_p99_ms"), "s--", label="sentence end -> audio p99")
+    axes[0].set(xlabel="concurrent sockets", ylabel="ms", title="first text -> first audio")
     axes[0].legend()
-    axes[1].plot(cs, [r["total_p50_s"] for r in results], "o-", label="p50")
-    axes[1].plot(cs, [r["total_p99_s"] for r in results], "o--", label="p99")
-    axes[1].set(xscale="log", xlabel="concurrent sockets", ylabel="s", title="socket total time")
+    axes[1].plot(cs, series("total_p50_s"), "o-", label="p50")
+    axes[1].plot(cs, series("total_p99_s"), "o--", label="p99")
+    axes[1].set(xlabel="concurrent sockets", ylabel="s", title="socket total time")
     axes[1].legend()
+    for a in axes:  # explicit limits: a level with no successes leaves no data to autoscale
+        if cs:
+            a.set_xlim(min(cs) / 1.5, max(cs) * 1.5)
+        a.set_xscale("log")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -372,28 +372,28 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     a = ax[0, 0]
     a.plot(cs, series("audio_s_per_s"), "o-", label="audio s / s")
     a.plot(cs, series("requests_per_s"), "s--", label="requests / s")
-    a.set(xscale="log", xlabel="concurrent clients", title="throughput")
+    a.set(xlabel="concurrent clients", title="throughput")
     a.legend()
     a = ax[0, 1]
     a.plot(cs, series("per_stream_fps_mean"), "o-", label="mean")
     a.plot(cs, series("per_stream_fps_p10"), "o--", label="p10 (slowest streams)")
     a.axhline(FRAME_RATE, color="red", ls=":", label="real time (21.5)")
-    a.set(xscale="log", xlabel="concurrent clients", ylabel="frames/s", title="per stream")
+    a.set(xlabel="concurrent clients", ylabel="frames/s", title="per stream")
     a.legend()
     for a, key, name in ((ax[0, 2], "ttfa", "time to first audio byte"), (ax[1, 0], "e2e", "end-to-end latency")):
         for q, style in (("p50", "o-"), ("p90", "o--"), ("p99", "o:")):
             a.plot(cs, series(f"{key}_{q}_ms"), style, label=q)
-        a.set(xscale="log", xlabel="concurrent clients", ylabel="ms", title=name)
+        a.set(xlabel="concurrent clients", ylabel="ms", title=name)
         a.legend()
     a = ax[1, 1]
     a.plot(cs, series("rtf_p50"), "o-", label="p50")
     a.plot(cs, series("rtf_p90"), "o--", label="p90")
     a.axhline(1.0, color="red", ls=":", label="real time")
-    a.set(xscale="log", xlabel="concurrent clients", ylabel="e2e / audio duration", title="real-time factor")
+    a.set(xlabel="concurrent clients", ylabel="e2e / audio duration", title="real-time factor")
     a.legend()
     a = ax[1, 2]
     a.plot(cs, [100 * (r["underrun_request_fraction"] or 0) for r in results], "o-", label="requests with an underrun")
-    a.set(xscale="log", xlabel="concurrent clients", ylabel="% of requests", title="playback underruns",
+    a.set(xlabel="concurrent clients", ylabel="% of requests", title="playback underruns",
           ylim=(-5, 105))
     b = a.twinx()
     b.plot(cs, series("stall_s_per_request_mean"), "s--", color="tab:orange", label="mean stall per request (s)")
@@ -407,6 +407,10 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         a.xaxis.set_major_formatter(ScalarFormatter())
         a.xaxis.set_minor_formatter(NullFormatter())
     fig.suptitle(title)
+    for a in ax.flat:  # explicit limits: a level with no successes leaves no data to autoscale
+        if cs:
+            a.set_xlim(min(cs) / 1.5, max(cs) * 1.5)
+        a.set_xscale("log")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
