@@ -468,6 +468,7 @@ def _tuned_config(M: int, N: int, K: int) -> dict | None:
     return table[str(buckets[-1])]
 
 
+@functools.lru_cache(maxsize=4096)  # per-call host overhead in eager prefill; callers copy, never mutate
 def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
     """The launch config: the tuned table's entry for (N, K) and M's bucket if present (tuned on
     132-SM H200s; other GPUs fall back to the heuristic), else :func:`_heuristic_config`."""
