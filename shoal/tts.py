@@ -42,8 +42,8 @@ class TTS:
     def load(cls, checkpoint: str | Path, device: str | None = None, dtype: str | None = None,
              codec: str | Path | None = None, quantization: str | None = None,
              codec_dtype: str | None = None) -> "TTS":
-        """``codec_dtype``: the codec's precision, fp32 by default (bf16 is ~2-3x faster on a GPU
-        at ~33 dB SNR against fp32, see docs/codec.md)."""
+        """``codec_dtype``: the codec's precision, fp32 by default (bf16 halves its memory
+        traffic at ~33 dB SNR against fp32, see docs/codec.md)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         model, tokenizer = load_dualar(checkpoint, device=dev, dtype=dt, quantization=quantization)

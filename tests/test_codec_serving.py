@@ -18,20 +18,13 @@ import pytest
 import torch
 from interpreter_worker import report_cases, run_worker
 
+from shoal.bench.kernels_fused import ulp_diff
 from shoal.kernels import snake as sk
 
 GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
 TINY = GOLDEN / "codec_tiny"
 golden = pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def ulp_diff(a, b):
-    ai = a.contiguous().view(torch.int16).to(torch.int32)
-    bi = b.contiguous().view(torch.int16).to(torch.int32)
-    ai = torch.where(ai < 0, -32768 - ai, ai)
-    bi = torch.where(bi < 0, -32768 - bi, bi)
-    return (ai - bi).abs()
 
 
 def old_snake(x, alpha):

@@ -86,10 +86,10 @@ class AudioStreamer:
         pcm = audio[:, 0].float().cpu().numpy()
         return [pcm[i] for i in range(len(rids))]
 
-    def decode_ready(self, failed: list[tuple[str, str]] | None = None) -> list[tuple[str, np.ndarray]]:
+    def decode_ready(self) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
         """Decode every stream whose next chunk is complete; one codec call per chunk size.
-        With ``failed`` given, a codec call that raises (e.g. out of memory) releases its streams
-        and appends ``(rid, message)`` to it instead of raising; other streams go on."""
+        Returns ``(audio, failed)``: a codec call that raises (e.g. out of memory) releases its
+        streams and lists them as ``(rid, message)``; the other streams go on."""
         by_size: dict[int, list[str]] = {}
         for rid, frames in self.pending.items():
             have = sum(f.shape[1] for f in frames)
@@ -97,17 +97,15 @@ class AudioStreamer:
             if have >= need:
                 by_size.setdefault(need, []).append(rid)
         out: list[tuple[str, np.ndarray]] = []
+        failed: list[tuple[str, str]] = []
         for n, rids in sorted(by_size.items()):
-            if failed is None:
-                out.extend(zip(rids, self._decode(rids, n)))
-                continue
             try:
                 out.extend(zip(rids, self._decode(rids, n)))
             except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
                 for rid in rids:
                     self.release(rid)
                     failed.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
-        return out
+        return out, failed
 
     def finish(self, rid: str) -> np.ndarray | None:
         """Decode whatever is left for ``rid`` and release its row."""
@@ -218,8 +216,8 @@ class AudioWorker:
                 self._outbox.put(("done", rid))
             else:
                 s.release(rid)
-        failed: list[tuple[str, str]] = []
-        for rid, pcm in s.decode_ready(failed):
+        audio, failed = s.decode_ready()
+        for rid, pcm in audio:
             self._outbox.put(("audio", rid, pcm))
         for rid, msg in failed:
             self._outbox.put(("error", rid, msg))

@@ -401,12 +401,6 @@ def _device_sms(t: Tensor) -> int:
     return 132
 
 
-# fp8_linear quantizes activations inside the GEMM's prologue only up to this M. Measured on the
-# H200 (2026-11-29) the prologue quantize stalls the pipelined weight stream (wqkv M=1: 12.4 us
-# fused vs 8.9 + ~1.5 us for a separate quantize kernel; far worse at M >= 32), so it is off.
-FUSED_QUANT_MAX_M = 0
-
-
 def _pow2(m: int) -> int:
     return 1 << max(0, int(m) - 1).bit_length()
 
@@ -531,11 +525,12 @@ def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: 
 
 
 def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
-                      config: dict | None = None, fuse_quant: bool | None = None) -> Tensor:
+                      config: dict | None = None, fuse_quant: bool = False) -> Tensor:
     """``x [M, K]`` (bf16/fp16/fp32, unit stride along K) -> bf16 ``[M, N]``, equal to
-    ``fp8_gemm(*quantize_act(x), W_q, W_s)``. ``fuse_quant`` (default: M <=
-    :data:`FUSED_QUANT_MAX_M`) quantizes in the GEMM's prologue instead of a separate kernel
-    (one launch, the same bytes and scales, so the same result; slower on the H200, see there)."""
+    ``fp8_gemm(*quantize_act(x), W_q, W_s)``. ``fuse_quant`` quantizes in the GEMM's prologue
+    instead of a separate kernel (one launch, the same bytes and scales, so the same result).
+    Off by default: measured on the H200 (2026-11-29) the prologue quantize stalls the pipelined
+    weight stream (wqkv M=1: 12.4 us fused vs 8.9 us + ~1.5 us for the separate quantize)."""
     if x.dim() != 2:
         raise ValueError(f"x: must be 2-D [M, K], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -546,7 +541,7 @@ def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None
     N, Kw = check_weight(W_q, W_s)
     if Kw != K:
         raise ValueError(f"x has K={K} but the weight has K={Kw}")
-    if not (M <= FUSED_QUANT_MAX_M if fuse_quant is None else fuse_quant):
+    if not fuse_quant:
         return fp8_gemm_triton(*quantize_act_triton(x), W_q, W_s, out=out, config=config)
     interpret = _require_triton(x)
     out = _out_buffer(out, M, N, x.device)

@@ -145,6 +145,7 @@ class DualAR(nn.Module):
                       backend) -> tuple[Tensor, Tensor]:
         """Run ``layers`` with fused kernels; returns (last hidden h, h's final residual sum).
         Numerically the same sequence as Block.forward (same roundings)."""
+        from ..kernels.fp8 import silu_mul_quant
         from ..kernels.fused import add_rmsnorm, qk_norm_rope_write, silu_mul
 
         eps = self.config.norm_eps
@@ -168,8 +169,6 @@ class DualAR(nn.Module):
             ff = layer.feed_forward
             w13_fp8 = getattr(ff, "w13_fp8", None)
             if w13_fp8 is not None and w13_fp8.use_kernels(normed):
-                from ..kernels.fp8 import silu_mul_quant
-
                 gu = w13_fp8.forward_kernels(normed)
                 f = ff.w2.forward_kernels(gu, quantized=silu_mul_quant(gu))
             elif w13_fp8 is not None:

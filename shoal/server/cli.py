@@ -36,8 +36,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--codec-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="codec precision (default fp32; bf16 decodes ~2-3x faster on a GPU at ~33 dB "
-                        "SNR against fp32, docs/codec.md)")
+                   help="codec precision (default fp32; bf16 halves its memory traffic at ~33 dB SNR "
+                        "against fp32; docs/codec.md)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: quantize the DualAR to block-scaled FP8 at load (FP8 checkpoints from "
                         "`shoal quantize` are detected and need no flag); docs/quantization.md")
