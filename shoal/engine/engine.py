@@ -8,6 +8,8 @@ callers never block on it.
 
 from __future__ import annotations
 
+import os
+
 import time
 from dataclasses import dataclass, field
 
@@ -31,10 +33,21 @@ class EngineConfig:
     prefill_chunk: int = 1024  # prompt tokens per step
     cuda_graphs: bool = True
     fused_kernels: bool | None = None  # fused Triton decode kernels (default: on CUDA)
+    # one Triton kernel per S2 draw (default: on CUDA; env SHOAL_FUSED_SAMPLING=0 turns it off)
+    fused_sampling: bool | None = None
     enable_prefix_cache: bool = True
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     audio_thread: bool | None = None  # codec on its own thread/stream (default: on CUDA)
+
+
+def _fused_sampling(cfg: EngineConfig, model: DualAR) -> bool:
+    """The fused S2 sampling kernels: S2 models on CUDA unless configured or SHOAL_FUSED_SAMPLING=0."""
+    if model.config.family != "s2":
+        return False
+    if cfg.fused_sampling is not None:
+        return cfg.fused_sampling
+    return model.device.type == "cuda" and os.environ.get("SHOAL_FUSED_SAMPLING", "1") != "0"
 
 
 class Engine:
@@ -63,7 +76,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
-            max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda))
+            max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda,
+            fused_sampling=_fused_sampling(cfg, model)))
         self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
         self._audio_pending: dict[str, tuple[EngineRequest, str]] = {}  # finished, audio not yet out
         self.requests: dict[str, EngineRequest] = {}

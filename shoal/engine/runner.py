@@ -22,8 +22,9 @@ from tqdm import tqdm
 
 from ..model.dualar import DualAR
 from .attention import FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend
-from .sampling import (BatchSampling, SamplingParams, residual_code, residual_noise, s1_main_token,
-                       s2_main_token)
+from ..kernels.sampling import s2_main_sample, s2_residual_sample
+from .sampling import (DRAWS_PER_FRAME, BatchSampling, SamplingParams, residual_code, residual_noise,
+                       s1_main_token, s2_main_token)
 
 WINDOW = 16  # repetition window capacity (S2 RAS uses the last 10, S1 the last 16)
 
@@ -42,6 +43,7 @@ class RunnerConfig:
     max_blocks_per_seq: int
     cuda_graphs: bool
     graph_buckets: list[int] | None = None
+    fused_sampling: bool = False  # S2 draws as Triton kernels (shoal.kernels.sampling)
 
 
 class ModelRunner:
@@ -84,6 +86,11 @@ class ModelRunner:
         self.buckets = cfg.graph_buckets or default_buckets(cfg.max_slots)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
+        self.fused_sampling = cfg.fused_sampling
+        if self.fused_sampling and self.family != "s2":
+            raise ValueError("fused sampling implements the S2 rule only")
+        self._cols = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, device=dev)
+        self._idx = torch.zeros(cfg.max_slots, dtype=torch.long, device=dev)
 
     # ------------------------------------------------------------------ slot state
     def assign_slot(self, slot: int, params: SamplingParams, seed: int) -> None:
@@ -157,6 +164,29 @@ class ModelRunner:
         assert cols.shape[0] == B
         return cols, idx
 
+    def _sample_frame_fused(self, logits: Tensor, fast_in: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`_sample_frame` for S2 with one Triton kernel per draw, reading the request
+        state at ``slots``; each kernel also gathers the next fast position's embedding."""
+        model = self.model
+        B = logits.shape[0]
+        cols, idx = self._cols[:B], self._idx[:B]
+        emb = model.fast_embeddings.weight
+        e = torch.empty(B, emb.shape[1], dtype=emb.dtype, device=emb.device)
+        s2_main_sample(logits.contiguous(), slots, self.frame, self.sampling, self.window, model.allowed_ids,
+                       self.n_sem, cols, idx, emb, e, draws_per_frame=DRAWS_PER_FRAME)
+        fb = self.fast_backend
+        fb._rows = B
+        fb.position = 0
+        model.forward_fast(fast_in, 0, fb, n_out=0)
+        for k in range(1, self.C):
+            fb.position = k
+            fl = model.forward_fast(e, k, fb, n_out=self.n_res)
+            last = k == self.C - 1  # the last code's embedding is not needed
+            # e was consumed by forward_fast (stream order), so the next embedding reuses it
+            s2_residual_sample(fl.contiguous(), slots, self.frame, self.sampling, 1 + k, cols, 1 + k,
+                               None if last else emb, None if last else e, draws_per_frame=DRAWS_PER_FRAME)
+        return cols, idx
+
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: list[tuple[np.ndarray, int, int, list[int]]]) -> None:
         """Compute K/V for several prompt chunks in one forward: each chunk is (grid, start, end,
@@ -192,11 +222,14 @@ class ModelRunner:
         phys = torch.gather(bt, 1, block_idx[:, None])[:, 0].long()
         self.decode_backend.set(phys * bsz + pos % bsz, bt, (pos + 1).to(torch.int32))
         out = self.model.forward_slow(cols[:, :, None], pos[:, None], self.decode_backend, head="allowed")
+        if self.fused_sampling:  # reads the state at slots before it is updated below
+            new_cols, idx = self._sample_frame_fused(out.logits, out.fast_input, slots)
         frame = self.frame[slots]
         window = self.window[slots]
         hist = self.code_hist[slots]
-        new_cols, idx = self._sample_frame(out.logits, out.fast_input, self._gather_sampling(slots),
-                                           frame, window, hist, use_windows=True)
+        if not self.fused_sampling:
+            new_cols, idx = self._sample_frame(out.logits, out.fast_input, self._gather_sampling(slots),
+                                               frame, window, hist, use_windows=True)
         first = self.first[slots]
         self.last_col[slots] = new_cols
         self.position[slots] = pos + 1

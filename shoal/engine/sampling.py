@@ -64,11 +64,21 @@ def logits_to_probs(logits: Tensor, temperature: Tensor | float, top_p: Tensor |
     return probs_from_sorted(logits, sort_cumulative(logits), temperature, top_p, top_k)
 
 
-def sort_cumulative(logits: Tensor) -> tuple[Tensor, Tensor]:
+def sort_cumulative(logits: Tensor, fp32_sum: bool = False) -> tuple[Tensor, Tensor]:
     """(sorted indices, cumulative untempered probabilities in sorted order): the part of the
-    S2 rule that does not depend on the parameters, shareable between draws on one logits row."""
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-    return sorted_idx, torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+    S2 rule that does not depend on the parameters, shareable between draws on one logits row.
+
+    ``fp32_sum`` keeps the running sum in fp32 (each value rounded to the logits dtype), as
+    PyTorch's CPU cumsum does on every device; without it a bf16 cumsum on CUDA rounds the
+    running sum itself at every step (the reference's numerics on its GPU). The engine's
+    sampler uses fp32 sums and a stable sort so that its draws agree on CPU, on GPU and with
+    the fused kernels."""
+    # the engine's order for equal logits is the stable one (lower index first), as in the kernels
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=fp32_sum)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    if fp32_sum and probs.dtype != torch.float32:
+        return sorted_idx, torch.cumsum(probs.float(), dim=-1).to(probs.dtype)
+    return sorted_idx, torch.cumsum(probs, dim=-1)
 
 
 def probs_from_sorted(logits: Tensor, sorted_cum: tuple[Tensor, Tensor], temperature: Tensor | float,
@@ -194,6 +204,7 @@ def sample_s2(logits: Tensor, params: list[SamplingParams], noise: NoiseSource |
 DRAWS_PER_FRAME = 16
 _M32 = 0xFFFFFFFF
 _MULT = 0x45D9F3B  # < 2^27, so products of 32-bit values stay far below 2^63
+FLT_MIN = 1.1754943508222875e-38
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -219,8 +230,11 @@ def hash_uniform(seed: Tensor, counter: Tensor, n: int) -> Tensor:
 
 
 def hash_exponential(seed: Tensor, counter: Tensor, n: int) -> Tensor:
-    """[B, n] fp32 Exp(1) draws ``-log U`` for the exponential race."""
-    return -torch.log(hash_uniform(seed, counter, n))
+    """[B, n] fp32 Exp(1) draws ``-log U`` for the exponential race, floored at the smallest
+    normal fp32: U == 1 (one draw in 2^24) would give q == 0, and ``0 / 0`` = NaN would win the
+    argmax for an entry outside the nucleus; with the floor such an entry scores 0 and a kept
+    one wins, as an Exp(1) draw that small should."""
+    return torch.clamp_min(-torch.log(hash_uniform(seed, counter, n)), FLT_MIN)
 
 
 @dataclass
@@ -275,7 +289,7 @@ def sample_rows(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tenso
     Greedy rows take the first argmax of the logits. Parameters are rounded to the logits dtype
     like the reference's model-dtype tensors. No host synchronisation.
     """
-    probs = probs_from_sorted(logits, sorted_cum or sort_cumulative(logits), temperature, top_p, top_k)
+    probs = probs_from_sorted(logits, sorted_cum or sort_cumulative(logits, fp32_sum=True), temperature, top_p, top_k)
     sampled = torch.argmax(probs.float() / q, dim=-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
 
@@ -291,7 +305,7 @@ def s2_main_token(logits: Tensor, bs: BatchSampling, frame: Tensor, window: Tens
     A = logits.shape[-1]
     counter = frame * DRAWS_PER_FRAME
     q = hash_exponential(bs.seed, torch.stack([counter, counter + 1], dim=1), A)  # both draws at once
-    sc = sort_cumulative(logits)  # one sort serves both draws
+    sc = sort_cumulative(logits, fp32_sum=True)  # one sort serves both draws
     normal = sample_rows(logits, bs.temperature, bs.top_p, bs.top_k, bs.greedy, q[:, 0], sc)
     high = sample_rows(logits, bs.ras_temperature, bs.ras_top_p, bs.top_k, bs.greedy, q[:, 1], sc)
     W = window.shape[1]

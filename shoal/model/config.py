@@ -72,8 +72,9 @@ class ModelConfig:
 
     @property
     def residual_codebook_size(self) -> int:
-        """Entries actually used by codebooks 1..9 (the codec's residual VQs)."""
-        return 1024
+        """Entries actually used by codebooks 1..9 (the codec's residual VQs: 1024; fewer only
+        in test models whose whole codebook is smaller)."""
+        return min(1024, self.codebook_size)
 
     # ------------------------------------------------------------------ parsing
     @classmethod

@@ -1,0 +1,282 @@
+"""Fused S2 sampling for the engine's decode step: one Triton program per batch row.
+
+The PyTorch sampler (:mod:`shoal.engine.sampling`) spends ~40 small kernels per draw (sort,
+softmax, cumsum, scatter, masks, the noise hash, argmax); the decode step draws 11 times per
+frame, so at batch 1 these launches cost about as much as a tenth of the weights' bandwidth.
+Here one kernel does a whole draw and reads the per-request state straight from the runner's
+slot tensors (no gathers):
+
+* :func:`s2_main_sample` -- the main token over the allowed logits ``[B, A]`` (A = semantic ids
+  then ``<|im_end|>``): both draws of a frame (normal, RAS fallback) from one sort, the RAS
+  window test, and the outputs the step needs (allowed index, token id, code 0, the fast
+  embedding of code 0);
+* :func:`s2_residual_sample` -- one residual codebook from fast logits ``[B, n]``: the code
+  written into the frame's column buffer and its fast embedding for the next fast position.
+
+Numerics (the S2 rule of :mod:`shoal.engine.sampling`, per row, in the logits dtype):
+sort descending (ties: lower index first, as a stable sort); ``cum = cumsum(softmax(sorted))``
+with the softmax rounded to the logits dtype and an fp32 running sum rounded to the logits
+dtype (PyTorch's CPU cumsum; its CUDA bf16 cumsum rounds the running sum at every step);
+drop ``cum > top_p`` / ``rank >= top_k`` (rank 0 kept); ``softmax(logits / temperature)`` in
+the logits dtype; token = first index of ``max(probs / q)`` with the counter-hash noise
+``q = -log U``. Exponentials, logarithms and divisions are IEEE-accurate (libdevice,
+``div_rn``), so the kernel agrees with the PyTorch sampler except where the two cumsum
+summation orders round a cumulative value differently right at the ``top_p`` boundary, or two
+race scores tie within an fp32 ulp (measured in tests/test_sampling_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+
+__all__ = ["s2_main_sample", "s2_residual_sample", "fused_sampling_available"]
+
+FLT_MIN = 1.1754943508222875e-38  # q floor: U == 1 gives -log U == 0 (see hash_exponential)
+
+
+def fused_sampling_available(t: Tensor) -> bool:
+    """Whether the kernels can run for tensors like ``t`` (CUDA, or the Triton interpreter)."""
+    return HAS_TRITON and (t.is_cuda or triton_interpreting())
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+if HAS_TRITON:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _round_dt(x, ROUND: tl.constexpr):
+        """fp32 -> the nearest bf16 value (round to nearest even) when ROUND, else x."""
+        if ROUND:
+            u = x.to(tl.uint32, bitcast=True)
+            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+            x = tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # noqa: PLR0124
+        return x
+
+    @triton.jit
+    def _exp(x, ACCURATE: tl.constexpr):
+        """expf: libdevice's accurate one on the GPU (``tl.exp`` compiles to ``ex2.approx``);
+        libdevice has no interpreter implementation, where ``tl.exp`` is numpy's."""
+        if ACCURATE:
+            y = libdevice.exp(x)
+        else:
+            y = tl.exp(x)
+        return y
+
+    @triton.jit
+    def _log(x, ACCURATE: tl.constexpr):
+        if ACCURATE:
+            y = libdevice.log(x)
+        else:
+            y = tl.log(x)
+        return y
+
+    @triton.jit
+    def _mix32(x):
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        return (x >> 16) ^ x
+
+    @triton.jit
+    def _draw_key(seed, counter):
+        """The per-(request, draw) key of :func:`shoal.engine.sampling.hash_uniform`."""
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c = (counter & 0xFFFFFFFF).to(tl.uint32)
+        return _mix32(lo ^ _mix32(hi ^ _mix32(c)))
+
+    @triton.jit
+    def _race_noise(key, idx, ACCURATE: tl.constexpr):
+        """q = -log U for vocabulary indices ``idx`` (int32), floored at FLT_MIN."""
+        h = _mix32(key ^ _mix32(idx.to(tl.uint32) * 0x9E37 + 0x7F4A7C15))
+        u = ((h >> 8) + 1).to(tl.float32) * (1.0 / 16777216.0)
+        return tl.maximum(-_log(u, ACCURATE), 1.1754943508222875e-38)
+
+    @triton.jit
+    def _sorted_row(row_ptr, V, BLOCK: tl.constexpr):
+        """Load a logits row and sort it descending (ties: lower index first) ->
+        (values fp32 [BLOCK], original indices int32 [BLOCK]); padding sorts last as -inf."""
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = x + 0.0  # -0.0 -> +0.0: equal logits must tie
+        b = x.to(tl.int32, bitcast=True)
+        ordered = b ^ ((b >> 31) & 0x7FFFFFFF)  # monotone in the float value
+        key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)
+        key = tl.sort(key, descending=True)
+        hi = (key >> 32).to(tl.int32)
+        val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        idx = BLOCK - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+        return val, idx
+
+    @triton.jit
+    def _cumulative(val, ROUND: tl.constexpr, ACCURATE: tl.constexpr):
+        """cum[r] = sum_{j <= r} softmax(val)[j] (softmax and cum rounded to the logits dtype)."""
+        m = tl.max(val, 0)
+        e = _exp(val - m, ACCURATE)
+        s = tl.sum(e, 0)
+        sm = _round_dt(tl.math.div_rn(e, tl.zeros_like(e) + s), ROUND)
+        return _round_dt(tl.cumsum(sm, 0), ROUND)
+
+    @triton.jit
+    def _race(val, idx, cum, k, temperature, top_p, key, TMIN: tl.constexpr, BLOCK: tl.constexpr,
+              ROUND: tl.constexpr, ACCURATE: tl.constexpr):
+        """One S2 draw from a sorted row -> the chosen original index (int32 scalar)."""
+        ranks = tl.arange(0, BLOCK)
+        p = _round_dt(top_p, ROUND)
+        t = tl.maximum(_round_dt(temperature, ROUND), TMIN)
+        remove = ((cum > p) | (ranks >= k)) & (ranks != 0)
+        scaled = _round_dt(tl.math.div_rn(val, tl.zeros_like(val) + t), ROUND)
+        scaled = tl.where(remove, float("-inf"), scaled)
+        m = tl.max(scaled, 0)
+        e = _exp(scaled - m, ACCURATE)
+        s = tl.sum(e, 0)
+        probs = _round_dt(tl.math.div_rn(e, tl.zeros_like(e) + s), ROUND)
+        score = tl.math.div_rn(probs, _race_noise(key, idx, ACCURATE))
+        best = tl.max(score, 0)
+        return tl.min(tl.where(score == best, idx, 2147483647), 0)
+
+    @triton.jit
+    def _copy_embedding(emb_ptr, stride_e, code, out_ptr, D, BLOCK_D: tl.constexpr):
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            tl.store(out_ptr + d, tl.load(emb_ptr + code.to(tl.int64) * stride_e + d, mask=d < D), mask=d < D)
+
+    @triton.jit
+    def _s2_main_kernel(logits_ptr, stride_l, A, slots_ptr, frame_ptr, temp_ptr, top_p_ptr, top_k_ptr,
+                        greedy_ptr, ras_temp_ptr, ras_top_p_ptr, ras_window_ptr, seed_ptr,
+                        window_ptr, stride_w, allowed_ptr, n_sem, idx_ptr, cols_ptr, stride_c,
+                        emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
+                        W: tl.constexpr, DRAWS: tl.constexpr, TMIN: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                        ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        slot = tl.load(slots_ptr + row)
+        val, idx = _sorted_row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK)
+        cum = _cumulative(val, ROUND, ACCURATE)
+        ranks = tl.arange(0, BLOCK)
+        top1 = tl.sum(tl.where(ranks == 0, idx, 0), 0)
+        counter = tl.load(frame_ptr + slot) * DRAWS
+        seed = tl.load(seed_ptr + slot)
+        k = tl.load(top_k_ptr + slot)
+        normal = _race(val, idx, cum, k, tl.load(temp_ptr + slot), tl.load(top_p_ptr + slot),
+                       _draw_key(seed, counter), TMIN, BLOCK, ROUND, ACCURATE)
+        high = _race(val, idx, cum, k, tl.load(ras_temp_ptr + slot), tl.load(ras_top_p_ptr + slot),
+                     _draw_key(seed, counter + 1), TMIN, BLOCK, ROUND, ACCURATE)
+        greedy = tl.load(greedy_ptr + slot).to(tl.int32)
+        wo = tl.arange(0, W)
+        win = tl.load(window_ptr + slot * stride_w + wo)
+        live = wo >= W - tl.load(ras_window_ptr + slot)
+        repeated = tl.max(((win == normal) & live).to(tl.int32), 0) > 0
+        use_high = repeated & (normal < n_sem) & (greedy == 0)
+        choice = tl.where(greedy != 0, top1, tl.where(use_high, high, normal))
+        code0 = tl.where(choice < n_sem, choice, 0)
+        tl.store(idx_ptr + row, choice.to(tl.int64))
+        tl.store(cols_ptr + row * stride_c, tl.load(allowed_ptr + choice))
+        tl.store(cols_ptr + row * stride_c + 1, code0.to(tl.int64))
+        if EMB:
+            _copy_embedding(emb_ptr, stride_e, code0, emb_out_ptr + row.to(tl.int64) * stride_eo, D, BLOCK_D)
+
+    @triton.jit
+    def _s2_residual_kernel(logits_ptr, stride_l, n, slots_ptr, frame_ptr, temp_ptr, top_p_ptr, top_k_ptr,
+                            greedy_ptr, seed_ptr, draw, cols_ptr, stride_c, col,
+                            emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
+                            DRAWS: tl.constexpr, TMIN: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                            ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)
+        slot = tl.load(slots_ptr + row)
+        val, idx = _sorted_row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK)
+        cum = _cumulative(val, ROUND, ACCURATE)
+        ranks = tl.arange(0, BLOCK)
+        top1 = tl.sum(tl.where(ranks == 0, idx, 0), 0)
+        counter = tl.load(frame_ptr + slot) * DRAWS + draw
+        pick = _race(val, idx, cum, tl.load(top_k_ptr + slot), tl.load(temp_ptr + slot),
+                     tl.load(top_p_ptr + slot), _draw_key(tl.load(seed_ptr + slot), counter), TMIN, BLOCK, ROUND, ACCURATE)
+        greedy = tl.load(greedy_ptr + slot).to(tl.int32)
+        code = tl.where(greedy != 0, top1, pick)
+        tl.store(cols_ptr + row * stride_c + col, code.to(tl.int64))
+        if EMB:
+            _copy_embedding(emb_ptr, stride_e, code, emb_out_ptr + row.to(tl.int64) * stride_eo, D, BLOCK_D)
+
+
+def _round_flag(logits: Tensor) -> bool:
+    if logits.dtype == torch.bfloat16:
+        return True
+    if logits.dtype == torch.float32:
+        return False
+    raise ValueError(f"fused sampling supports fp32 and bf16 logits, got {logits.dtype}")
+
+
+def _tmin(logits: Tensor) -> float:
+    """The temperature floor 1e-5 as the reference holds it (in the logits dtype)."""
+    return float(torch.tensor(1e-5, dtype=logits.dtype))
+
+
+def _num_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4
+
+
+def _check_rows(logits: Tensor, slots: Tensor, cols: Tensor) -> int:
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("logits must be [B, V] with unit stride along V")
+    B = logits.shape[0]
+    if slots.shape != (B,) or slots.dtype != torch.long:
+        raise ValueError("slots must be int64 [B]")
+    if cols.dim() != 2 or cols.shape[0] < B or cols.dtype != torch.long or cols.stride(1) != 1:
+        raise ValueError("cols must be int64 [>= B, 1 + C] with unit stride")
+    return B
+
+
+def s2_main_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, window: Tensor,
+                   allowed_ids: Tensor, semantic_count: int, cols: Tensor, idx_out: Tensor,
+                   embedding: Tensor | None = None, emb_out: Tensor | None = None,
+                   draws_per_frame: int = 16) -> None:
+    """Main token of every row (S2 rule + RAS) into ``cols[:, 0]`` (token id), ``cols[:, 1]``
+    (code 0) and ``idx_out`` (allowed-space index); ``emb_out[b] = embedding[code 0]`` if given.
+
+    Per-request state is read at ``slots`` [B]: ``frame`` [S], ``sampling`` (a
+    :class:`~shoal.engine.sampling.BatchSampling` of [S] tensors), ``window`` [S, W]
+    (allowed-space indices of the last main tokens, -1 = empty, newest last)."""
+    B = _check_rows(logits, slots, cols)
+    if B == 0:
+        return
+    A = logits.shape[1]
+    W = window.shape[1]
+    if W & (W - 1) or window.stride(1) != 1:
+        raise ValueError("window width must be a power of two with unit stride")
+    block = _next_pow2(A)
+    D = embedding.shape[1] if embedding is not None else 0
+    bs = sampling
+    _s2_main_kernel[(B,)](
+        logits, logits.stride(0), A, slots, frame, bs.temperature, bs.top_p, bs.top_k, bs.greedy,
+        bs.ras_temperature, bs.ras_top_p, bs.ras_window, bs.seed, window, window.stride(0),
+        allowed_ids, semantic_count, idx_out, cols, cols.stride(0),
+        embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
+        emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
+        W=W, DRAWS=draws_per_frame, TMIN=_tmin(logits), BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block))
+
+
+def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, draw: int, cols: Tensor,
+                       col: int, embedding: Tensor | None = None, emb_out: Tensor | None = None,
+                       draws_per_frame: int = 16) -> None:
+    """One residual code per row (S2 rule with the request's temperature / top_p / top_k) from
+    ``logits`` [B, n] into ``cols[:, col]``, with noise counter ``frame * draws_per_frame +
+    draw``; ``emb_out[b] = embedding[code]`` if given (the next fast position's input)."""
+    B = _check_rows(logits, slots, cols)
+    if B == 0:
+        return
+    n = logits.shape[1]
+    block = _next_pow2(n)
+    D = embedding.shape[1] if embedding is not None else 0
+    bs = sampling
+    _s2_residual_kernel[(B,)](
+        logits, logits.stride(0), n, slots, frame, bs.temperature, bs.top_p, bs.top_k, bs.greedy, bs.seed,
+        draw, cols, cols.stride(0), col,
+        embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
+        emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
+        DRAWS=draws_per_frame, TMIN=_tmin(logits), BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block))
