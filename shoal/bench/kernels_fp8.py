@@ -20,6 +20,15 @@ semantic head 4097x2560, fast head 1024x2560) and every M in --ms:
 
 A failing cell is printed and recorded, and the run continues. Prints a table; with --out
 writes ``DIR/kernels_fp8.json``. Aims at < 3 minutes.
+
+    python -m shoal.bench.kernels_fp8 --layer [--layer-ms 1,16,64] [--layer-stacks slow,fast]
+
+instead times one full FP8 decoder layer at S2-Pro shapes (dim 2560, heads 32/8, head_dim
+128, intermediate 9728; a stack of ``--layer-count`` layers with distinct weights, so weights
+stream cold) through ``DualAR._layers_fused``, unfused (``fp8_fusion = False``) vs fused
+(kernels/fp8_fused.py), under CUDA-graph replay: microseconds and kernel launches per layer,
+and whether the two give bit-identical hidden states and KV caches. ``slow``: paged decode
+attention over ``--layer-context`` positions (qk-norm); ``fast``: the 10-slot fast cache.
 """
 
 from __future__ import annotations
@@ -219,6 +228,111 @@ def bench_mlp(ms, iters, results):
         results[f"mlp/M{M}"] = cell
 
 
+def _layer_model(n_layers: int):
+    """S2-Pro-shaped DualAR with ``n_layers`` slow and fast layers, FP8 weights, fused kernels
+    (a small vocabulary: the heads are not timed)."""
+    from dataclasses import replace
+
+    from .random_model import random_dualar, s2_pro_config
+
+    cfg = s2_pro_config(4096)
+    cfg = replace(cfg, vocab_size=8192, semantic_begin_id=4096, semantic_end_id=8191,
+                  slow=replace(cfg.slow, n_layer=n_layers), fast=replace(cfg.fast, n_layer=n_layers))
+    model = random_dualar(cfg, "cuda", torch.bfloat16, quantization="fp8")
+    model.enable_fused_kernels()
+    return model
+
+
+def _layer_inputs(model, stack: str, M: int, context: int, dev: str = "cuda"):
+    """(x, positions, rope table, layers, backend) of one decode step of ``stack`` at batch M."""
+    from shoal.engine.attention import (
+        FastCacheBackend,
+        PagedDecodeBackend,
+        PagedKVCache,
+    )
+
+    layers = model.layers if stack == "slow" else model.fast_layers
+    sh = layers[0].attention.shape
+    g = torch.Generator(device=dev).manual_seed(M)
+    x = (torch.randn(M, 1, sh.dim, device=dev, generator=g)).bfloat16()
+    if stack == "fast":
+        be = FastCacheBackend(len(layers), M, 10, sh.n_head, sh.n_local_heads, sh.head_dim, torch.bfloat16, dev)
+        be.k.normal_(generator=g)
+        be.v.normal_(generator=g)
+        be.position, be._rows = 5, M
+        return x, torch.full((M, 1), 5, device=dev), model.fast_rope, layers, be
+    bs = 16
+    nb = -(-context // bs)
+    cache = PagedKVCache(len(layers), M * nb + 1, bs, sh.n_local_heads, sh.head_dim, torch.bfloat16,
+                         torch.device(dev))
+    cache.data.normal_(generator=g)
+    be = PagedDecodeBackend(cache, sh.n_head, sh.head_dim)
+    bt = torch.arange(M * nb, device=dev, dtype=torch.int32).view(M, nb)
+    pos = torch.full((M,), context - 1, device=dev)
+    be.set(bt[:, -1].long() * bs + (context - 1) % bs, bt, (pos + 1).to(torch.int32))
+    return x, pos[:, None], model.slow_rope, layers, be
+
+
+def _count_kernels(fn) -> tuple[int, dict]:
+    """Kernels one eager call of ``fn`` launches (profiler), and their names."""
+    from collections import Counter
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(names.values()), dict(names)
+
+
+def bench_layer(ms, stacks, n_layers, context, iters, results, verbose=False):
+    """One full FP8 decoder layer, unfused vs fused, under CUDA-graph replay (see the module doc)."""
+    model = _layer_model(n_layers)
+    _log(f"FP8 decoder layer at S2-Pro shapes ({n_layers} layers per replay, distinct weights); "
+         "us and kernel launches per layer, CUDA-graph replay, median")
+    _log(f"{'stack':>6} {'M':>4} | {'unfused us':>10} {'launches':>8} | {'fused us':>10} {'launches':>8} | "
+         f"{'saved us':>8} {'speedup':>7} | exact")
+    for stack in stacks:
+        for M in ms:
+            key = f"layer/{stack}/M{M}"
+            cell = {"shape": "layer", "stack": stack, "M": M, "layers": n_layers}
+            try:
+                x, pos, rope, layers, be = _layer_inputs(model, stack, M, context)
+                outs, t, launches, names = {}, {}, {}, {}
+                for mode in ("unfused", "fused"):
+                    model.fp8_fusion = mode == "fused"
+
+                    def step(model=model, x=x, layers=layers, pos=pos, rope=rope, be=be):
+                        return model._layers_fused(x, layers, pos, rope, be)
+
+                    h = step()
+                    cache = (be.k, be.v) if stack == "fast" else (be.cache.data,)
+                    outs[mode] = [h.clone()] + [c.clone() for c in cache]
+                    n, names[mode] = _count_kernels(step)
+                    launches[mode] = n / n_layers
+                    t[mode] = time_graph([step], iters) / n_layers  # (every step rewrites the same K/V slot)
+                model.fp8_fusion = True
+                exact = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                            for a, b in zip(outs["unfused"], outs["fused"]))
+                cell.update({"us": t, "launches_per_layer": launches, "exact": exact, "ok": exact,
+                             "saved_us_per_layer": t["unfused"] - t["fused"],
+                             "speedup": t["unfused"] / t["fused"]})
+                if verbose:
+                    cell["kernels"] = names
+                _log(f"{stack:>6} {M:>4} | {t['unfused']:10.2f} {launches['unfused']:8.1f} | {t['fused']:10.2f} "
+                     f"{launches['fused']:8.1f} | {cell['saved_us_per_layer']:8.2f} {cell['speedup']:6.3f}x | "
+                     f"{'yes' if exact else 'NO'}")
+                if verbose:
+                    for mode in ("unfused", "fused"):
+                        _log(f"    {mode}: " + ", ".join(f"{k[:60]} x{v}" for k, v in sorted(names[mode].items())))
+            except Exception as e:  # noqa: BLE001 - print and continue
+                cell["error"] = f"{type(e).__name__}: {e}"[:500]
+                _log(f"  {key}: FAILED {cell['error']}")
+                traceback.print_exc(limit=5)
+            results[key] = cell
+            torch.cuda.empty_cache()
+
+
 def _print_row(c):
     if "error" in c:
         return
@@ -240,6 +354,13 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--mlp", action="store_true", help="also time the whole MLP block")
+    ap.add_argument("--layer", action="store_true",
+                    help="instead: one full FP8 decoder layer, unfused vs fused (kernels/fp8_fused.py)")
+    ap.add_argument("--layer-ms", default="1,16,64")
+    ap.add_argument("--layer-stacks", default="slow,fast")
+    ap.add_argument("--layer-count", type=int, default=4, help="layers per graph replay (distinct weights)")
+    ap.add_argument("--layer-context", type=int, default=512, help="slow stack: attended positions")
+    ap.add_argument("--verbose", action="store_true", help="--layer: list the kernels of each path")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         _log("kernels_fp8: CUDA not available; nothing to benchmark")
@@ -249,6 +370,10 @@ def main(argv=None):
     t0 = time.time()
     results = {}
     _log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  scaled_mm {do_sm}")
+    if args.layer:
+        bench_layer([int(m) for m in args.layer_ms.split(",") if m], [s for s in args.layer_stacks.split(",") if s],
+                    args.layer_count, args.layer_context, args.iters, results, args.verbose)
+        return _finish(args, results, t0)
     _log("us per call (effective TB/s); cold weights, CUDA-graph replay, median")
     _log(f"{'shape':>14} {'M':>5} | {'fp8':>15} | {'fp8+quant':>15} | {'bf16 cuBLAS':>15} | {'scaled_mm row':>15} | {'scaled_mm block':>15} |"
          f" fp8/bf16 | check")
@@ -265,6 +390,10 @@ def main(argv=None):
             bench_mlp([m for m in ms if m <= 256], args.iters, results)
         except Exception as e:  # noqa: BLE001
             results["mlp/setup"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    return _finish(args, results, t0)
+
+
+def _finish(args, results, t0) -> int:
     n_bad = sum(1 for c in results.values() if "error" in c or not c.get("ok", False))
     summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": getattr(fp8.triton, "__version__", None), "python": platform.python_version(),

@@ -45,7 +45,11 @@ DeepGEMM "promotion" structure). For small M the K loop is split over ``SPLIT_K`
 programs so that enough CTAs stream the weight; partial fp32 sums go to a workspace
 ``[SPLIT_K, M, N]`` and a second small kernel adds them in a fixed order (deterministic,
 no atomics) and rounds to bf16. Grids depend on shapes only, nothing syncs with the
-host: CUDA-graph capturable (compile once outside the capture).
+host: CUDA-graph capturable (compile once outside the capture). With ``partials=True`` the
+reduce is skipped and the workspace returned as :class:`SplitKPartials`; the kernels that read
+a GEMM output (``silu_mul_quant`` here, add+RMSNorm+quantize and qk-norm+RoPE in
+:mod:`shoal.kernels.fused`) then do the same ordered sum + bf16 rounding while loading
+(``_load_gemm_out``): one launch fewer, the same bits (:mod:`shoal.kernels.fp8_fused`).
 
 ``silu_mul_quant(gate_up)``: ``h = silu(gate) * up`` for ``gate_up = [gate | up]``
 (``[M, 2I]``, gate the first I columns -- the stacked layout of the fused ``w1|w3``
@@ -64,6 +68,7 @@ Untuned: tile sizes / warps / stages / split-K heuristic are first guesses (see
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +82,8 @@ __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
     "WEIGHT_SCALE_LAYOUT",
+    "GemmOut",
+    "SplitKPartials",
     "check_act",
     "check_weight",
     "dequant_act",
@@ -93,6 +100,8 @@ __all__ = [
     "silu_mul_quant",
     "silu_mul_quant_ref",
     "silu_mul_quant_triton",
+    "splitk_reduce",
+    "splitk_reduce_ref",
     "use_triton",
 ]
 
@@ -111,6 +120,80 @@ def _cdiv(a: int, b: int) -> int:
 def use_triton(t: Tensor) -> bool:
     """Whether the dispatchers run the Triton kernel for tensors like ``t``."""
     return HAS_TRITON and (t.is_cuda or triton_interpreting())
+
+
+@dataclass(frozen=True)
+class SplitKPartials:
+    """An FP8 GEMM result left as its fp32 split-K partial sums, ``data [split, M, N]``
+    (contiguous, ``split >= 2``), instead of being reduced by ``_splitk_reduce_kernel``.
+
+    Its value is the bf16 ``[M, N]`` matrix ``round_bf16(((0 + data[0]) + data[1]) + ...)``
+    (the splits added in order, one rounding, round to nearest even): what the reduce kernel
+    writes. The kernels that read a GEMM output (:func:`silu_mul_quant`, and
+    :func:`shoal.kernels.fused.add_rmsnorm_quant` / ``qk_norm_rope_write``) also take one of
+    these and do that sum themselves while loading, so the reduce launch disappears and their
+    results are bit-identical. :meth:`reduce` gives the bf16 matrix."""
+
+    data: Tensor
+
+    def __post_init__(self) -> None:
+        d = self.data
+        if not isinstance(d, Tensor) or d.dtype != torch.float32 or d.dim() != 3 or not d.is_contiguous():
+            raise ValueError("SplitKPartials: data must be a contiguous fp32 [split, M, N] tensor, got "
+                             f"{getattr(d, 'dtype', type(d))} {tuple(getattr(d, 'shape', ()))}")
+        if d.shape[0] < 2:
+            raise ValueError(f"SplitKPartials: split must be >= 2, got {d.shape[0]}")
+
+    @property
+    def split(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.data.shape[1]), int(self.data.shape[2]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the value (the GEMM's bf16 output)."""
+        return torch.bfloat16
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.data.is_cuda
+
+    def reduce(self, out: Tensor | None = None) -> Tensor:
+        """The bf16 ``[M, N]`` result (the reduce kernel when Triton can run, else PyTorch)."""
+        return splitk_reduce(self, out=out)
+
+
+GemmOut = Tensor | SplitKPartials
+"""An FP8 GEMM output as the fused consumers take it: bf16 ``[M, N]`` or :class:`SplitKPartials`."""
+
+
+def gemm_out_operand(x: GemmOut) -> tuple[Tensor, int, int, int]:
+    """``(data, split, row stride, split stride)`` of a GEMM output for the kernels' SPLIT
+    loads: a tensor ``[M, N]`` (unit stride along N) is ``SPLIT = 1``; partials read
+    ``data[s, m, n]`` at ``s * M * N + m * N + n``."""
+    if isinstance(x, SplitKPartials):
+        M, N = x.shape
+        return x.data, x.split, N, M * N
+    if x.dim() != 2:
+        raise ValueError(f"GEMM output: expected 2-D [M, N], got {tuple(x.shape)}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    return x, 1, x.stride(0), 0
+
+
+def splitk_reduce_ref(p: SplitKPartials) -> Tensor:
+    """PyTorch version of the reduce kernel: the splits added in order in fp32, rounded to bf16."""
+    acc = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    for s in range(p.split):
+        acc = acc + p.data[s]
+    return acc.to(torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------
@@ -240,8 +323,10 @@ def fp8_gemm_ref(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor) -> Tensor:
     return (dequant_act(x_q, x_s) @ dequant_weight(W_q, W_s).t()).to(torch.bfloat16)
 
 
-def silu_mul_quant_ref(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+def silu_mul_quant_ref(gate_up: GemmOut) -> tuple[Tensor, Tensor]:
     """``quantize_act_ref(F.silu(gate) * up)`` with the bf16 intermediate (as the model computes it)."""
+    if isinstance(gate_up, SplitKPartials):
+        gate_up = splitk_reduce_ref(gate_up)
     _check_gate_up(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return quantize_act_ref(F.silu(gate) * up)
@@ -314,15 +399,32 @@ if HAS_TRITON:
         _quant_rows(v, q_ptr + m * stride_qm + offs_k, s_ptr + m * KB + offs_g, mask, offs_g < KB)
 
     @triton.jit
-    def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, KB, stride_gm, stride_qm,
-                               GROUPS: tl.constexpr, ROUND_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    def _load_gemm_out(ptrs, mask, stride_s, SPLIT: tl.constexpr):
+        """fp32 values of a GEMM output at ``ptrs``: a plain load (any dtype) when SPLIT == 1,
+        else the SPLIT fp32 split-K partials (``stride_s`` elements apart) added in split order
+        from 0 and rounded to bf16 -- ``_splitk_reduce_kernel``'s arithmetic, so exactly the
+        bf16 value the reduced output holds."""
+        if SPLIT == 1:
+            return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros(ptrs.shape, dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(ptrs + s * stride_s, mask=mask, other=0.0)
+            return _round_bf16(acc)
+
+    @triton.jit
+    def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, KB, stride_gm, stride_qm, stride_gs,
+                               GROUPS: tl.constexpr, ROUND_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                               SPLIT: tl.constexpr):
+        """SPLIT > 1: ``gu_ptr`` is the fp32 split-K partials of the w1|w3 GEMM (``stride_gs``
+        apart), summed and rounded to bf16 on load (see ``_load_gemm_out``)."""
         m = tl.program_id(0)
         g0 = tl.program_id(1) * GROUPS
         offs_g = g0 + tl.arange(0, GROUPS)
         offs_k = offs_g[:, None] * 128 + tl.arange(0, 128)[None, :]
         mask = offs_k < I
-        g = tl.load(gu_ptr + m * stride_gm + offs_k, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(gu_ptr + m * stride_gm + I + offs_k, mask=mask, other=0.0).to(tl.float32)
+        g = _load_gemm_out(gu_ptr + m * stride_gm + offs_k, mask, stride_gs, SPLIT)
+        u = _load_gemm_out(gu_ptr + m * stride_gm + I + offs_k, mask, stride_gs, SPLIT)
         if ACCURATE_EXP:  # libdevice expf (accurate); it has no interpreter implementation
             e = libdevice.exp(-g)
         else:
@@ -492,45 +594,75 @@ def _out_buffer(out: Tensor | None, M: int, N: int, device) -> Tensor:
     return out
 
 
-def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: Tensor, M: int, N: int,
-                 K: int, config: dict | None, interpret: bool) -> Tensor:
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
+def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: Tensor | None, M: int, N: int,
+                 K: int, config: dict | None, interpret: bool, partials: bool = False) -> GemmOut:
+    """``out=None``: allocated when a bf16 result is written. ``partials``: when the config
+    splits K, return the fp32 workspace as :class:`SplitKPartials` instead of reducing it."""
+    if M == 0 or N == 0 or K == 0:
+        out = _out_buffer(out, M, N, x.device)
+        return out.zero_() if K == 0 else out
     base = _gemm_config(M, N, K, _device_sms(x))
     cfg = _finish_config({**base, **config}, M, K) if config else base
     KB = _cdiv(K, BLOCK)
     split = cfg["SPLIT_K"]
+    if split == 1 or not partials:
+        out = _out_buffer(out, M, N, x.device)
+    else:
+        out = None  # the partials are the result
     target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
     _fp8_gemm_kernel[grid](x, x if x_s is None else x_s, W_q, W_s, target, M, N, K, KB, x.stride(0),
-                           out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
+                           N if out is None else out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
                            BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, QUANT_A=x_s is None,
                            **_launch_kwargs(cfg, interpret))
-    if split > 1:
-        rb = 1024
-        _splitk_reduce_kernel[(_cdiv(M * N, rb),)](target, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)
+    if split == 1:
+        return out
+    if partials:
+        return SplitKPartials(target)
+    _launch_reduce(target, out, M, N, split)
+    return out
+
+
+def _launch_reduce(ws: Tensor, out: Tensor, M: int, N: int, split: int) -> None:
+    rb = 1024
+    _splitk_reduce_kernel[(_cdiv(M * N, rb),)](ws, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)
+
+
+def splitk_reduce(p: SplitKPartials, *, out: Tensor | None = None) -> Tensor:
+    """The bf16 value of split-K partials (the reduce kernel when Triton can run, else
+    :func:`splitk_reduce_ref`)."""
+    M, N = p.shape
+    out = _out_buffer(out, M, N, p.device)
+    if use_triton(p.data):
+        if M * N:
+            _launch_reduce(p.data, out, M, N, p.split)
+        return out
+    out.copy_(splitk_reduce_ref(p))
     return out
 
 
 def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
-                    config: dict | None = None) -> Tensor:
+                    config: dict | None = None, partials: bool = False) -> GemmOut:
     """Triton block-scaled FP8 GEMM -> bf16 ``[M, N]`` (into ``out`` if given: bf16 [M, N], unit
-    stride along N). ``config`` overrides :func:`_gemm_config` (for tuning / tests)."""
+    stride along N). ``config`` overrides :func:`_gemm_config` (for tuning / tests).
+    ``partials``: when the launch config splits K (``SPLIT_K > 1``), skip the reduce kernel and
+    return the fp32 partials (:class:`SplitKPartials`, ``out`` unused) for a consumer that sums
+    them itself; with one split the bf16 result is returned as usual."""
     M, N, K = _check_gemm(x_q, x_s, W_q, W_s)
     interpret = _require_triton(x_q)
-    out = _out_buffer(out, M, N, x_q.device)
-    return _launch_gemm(x_q, x_s, W_q, W_s, out, M, N, K, config, interpret)
+    if out is not None:
+        out = _out_buffer(out, M, N, x_q.device)
+    return _launch_gemm(x_q, x_s, W_q, W_s, out, M, N, K, config, interpret, partials)
 
 
 def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
-                      config: dict | None = None, fuse_quant: bool = False) -> Tensor:
+                      config: dict | None = None, fuse_quant: bool = False, partials: bool = False) -> GemmOut:
     """``x [M, K]`` (bf16/fp16/fp32, unit stride along K) -> bf16 ``[M, N]``, equal to
     ``fp8_gemm(*quantize_act(x), W_q, W_s)``. ``fuse_quant`` quantizes in the GEMM's prologue
     instead of a separate kernel (one launch, the same bytes and scales, so the same result).
     Off by default: measured on the H200 (2026-11-29) the prologue quantize stalls the pipelined
-    weight stream (wqkv M=1: 12.4 us fused vs 8.9 us + ~1.5 us for the separate quantize)."""
+    weight stream (wqkv M=1: 12.4 us fused vs 8.9 us + ~1.5 us for the separate quantize).
+    ``partials``: as in :func:`fp8_gemm_triton`."""
     if x.dim() != 2:
         raise ValueError(f"x: must be 2-D [M, K], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -542,10 +674,11 @@ def fp8_linear_triton(x: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None
     if Kw != K:
         raise ValueError(f"x has K={K} but the weight has K={Kw}")
     if not fuse_quant:
-        return fp8_gemm_triton(*quantize_act_triton(x), W_q, W_s, out=out, config=config)
+        return fp8_gemm_triton(*quantize_act_triton(x), W_q, W_s, out=out, config=config, partials=partials)
     interpret = _require_triton(x)
-    out = _out_buffer(out, M, N, x.device)
-    return _launch_gemm(x, None, W_q, W_s, out, M, N, K, config, interpret)
+    if out is not None:
+        out = _out_buffer(out, M, N, x.device)
+    return _launch_gemm(x, None, W_q, W_s, out, M, N, K, config, interpret, partials)
 
 
 def _groups_per_program(KB: int) -> int:
@@ -572,22 +705,23 @@ def quantize_act_triton(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, s
 
 
-def silu_mul_quant_triton(gate_up: Tensor) -> tuple[Tensor, Tensor]:
-    """Fused ``silu(gate) * up`` + 1x128 quantize of ``gate_up [M, 2I]`` -> (h_q [M, I], h_s)."""
-    I = _check_gate_up(gate_up)
-    if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:
-        gate_up = gate_up.contiguous()
-    interpret = _require_triton(gate_up)
+def silu_mul_quant_triton(gate_up: GemmOut) -> tuple[Tensor, Tensor]:
+    """Fused ``silu(gate) * up`` + 1x128 quantize of ``gate_up [M, 2I]`` -> (h_q [M, I], h_s).
+    ``gate_up`` may be the w1|w3 GEMM's :class:`SplitKPartials` (summed on load: the same
+    bytes and scales as quantizing the reduced bf16 output)."""
+    I = _check_gate_up(gate_up.data[0] if isinstance(gate_up, SplitKPartials) else gate_up)
+    data, split, stride_m, stride_s = gemm_out_operand(gate_up)
+    interpret = _require_triton(data)
     M = gate_up.shape[0]
     KB = _cdiv(I, BLOCK)
-    q = torch.empty(M, I, dtype=FP8_DTYPE, device=gate_up.device)
-    s = torch.empty(M, KB, dtype=torch.float32, device=gate_up.device)
+    q = torch.empty(M, I, dtype=FP8_DTYPE, device=data.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=data.device)
     if M == 0 or I == 0:
         return q, s
     G = _groups_per_program(KB)
-    _silu_mul_quant_kernel[(M, _cdiv(KB, G))](gate_up, q, s, I, KB, gate_up.stride(0), q.stride(0),
+    _silu_mul_quant_kernel[(M, _cdiv(KB, G))](data, q, s, I, KB, stride_m, q.stride(0), stride_s,
                                               GROUPS=G, ROUND_BF16=gate_up.dtype == torch.bfloat16,
-                                              ACCURATE_EXP=not interpret)
+                                              ACCURATE_EXP=not interpret, SPLIT=split)
     return q, s
 
 
@@ -619,6 +753,8 @@ def quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
     return quantize_act_triton(x) if use_triton(x) else quantize_act_ref(x)
 
 
-def silu_mul_quant(gate_up: Tensor) -> tuple[Tensor, Tensor]:
-    """Fused SwiGLU + 1x128 quantize of ``[gate | up]`` (Triton when it can run, else the reference)."""
-    return silu_mul_quant_triton(gate_up) if use_triton(gate_up) else silu_mul_quant_ref(gate_up)
+def silu_mul_quant(gate_up: GemmOut) -> tuple[Tensor, Tensor]:
+    """Fused SwiGLU + 1x128 quantize of ``[gate | up]`` (a bf16 tensor or the w1|w3 GEMM's
+    :class:`SplitKPartials`; Triton when it can run, else the reference)."""
+    data = gate_up.data if isinstance(gate_up, SplitKPartials) else gate_up
+    return silu_mul_quant_triton(gate_up) if use_triton(data) else silu_mul_quant_ref(gate_up)

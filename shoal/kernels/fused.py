@@ -6,6 +6,8 @@ scatter, SiLU). Inside a CUDA graph each still costs a launch, so the step is
 launch-bound. The kernels here cut that to four launches per layer:
 
 * :func:`add_rmsnorm` -- ``h = x + residual``; ``normed = RMSNorm(h)`` (one program per row).
+  :func:`add_rmsnorm_quant` (the same kernel) also writes the 1x128 FP8 quantization of
+  ``normed`` for the next FP8 GEMM, bit-identical to ``quantize_act(normed)``.
 * :func:`qk_norm_rope_write` -- from the ``wqkv`` output: per-head qk-norm, RoPE on q and
   k, K/V scatter into the cache through a slot mapping; returns q (one launch).
 * :func:`silu_mul` -- ``silu(gate) * up`` from the fused ``w1|w3`` output.
@@ -40,6 +42,11 @@ differ among themselves): it matches the reference within attention tolerances.
 The mean of a norm is ``sum / n`` on CPU tensors (as PyTorch's CPU ``mean``) and
 ``sum * (1/n)`` on CUDA tensors (as PyTorch's CUDA ``mean``).
 
+FP8 GEMM outputs: ``add_rmsnorm_quant`` and ``qk_norm_rope_write`` also take an FP8 GEMM's
+unreduced split-K partials (:class:`shoal.kernels.fp8.SplitKPartials`) and add them while
+loading, in the reduce kernel's order with its rounding, so the values they read are exactly
+the reduced bf16 output (see :mod:`shoal.kernels.fp8_fused`).
+
 Triton's interpreter converts fp32 to bf16 by truncation, so every rounding to bf16 is
 done explicitly (bit arithmetic, ties to even, NaN kept) before the final cast; the same
 code therefore runs compiled and interpreted.
@@ -56,15 +63,31 @@ so all of them can be captured in a CUDA graph (compile them once outside the ca
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .fp8 import BLOCK as QUANT_GROUP
+from .fp8 import (
+    FP8_DTYPE,
+    GemmOut,
+    SplitKPartials,
+    gemm_out_operand,
+    quantize_act_ref,
+    quantize_act_triton,
+    splitk_reduce,
+    splitk_reduce_ref,
+)
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
 __all__ = [
+    "NormQuant",
     "add_rmsnorm",
+    "add_rmsnorm_quant",
+    "add_rmsnorm_quant_ref",
+    "add_rmsnorm_quant_triton",
     "add_rmsnorm_ref",
     "add_rmsnorm_triton",
     "fast_decode_attention",
@@ -107,6 +130,26 @@ def add_rmsnorm_ref(x: Tensor, residual: Tensor | None, weight: Tensor, eps: flo
     hf = h.float()
     normed = hf * torch.rsqrt(torch.mean(hf * hf, dim=-1, keepdim=True) + eps)
     return normed.type_as(h) * weight, h
+
+
+class NormQuant(NamedTuple):
+    """What :func:`add_rmsnorm_quant` returns."""
+
+    h: Tensor  # x + residual (x itself when residual is None)
+    q: Tensor  # [rows, dim] float8_e4m3fn: quantize_act(normed)
+    s: Tensor  # [rows, ceil(dim/128)] fp32 dequant scales
+    normed: Tensor | None  # RMSNorm(h) * weight, when asked for
+
+
+def add_rmsnorm_quant_ref(x: GemmOut, residual: Tensor | None, weight: Tensor, eps: float, *,
+                          store_normed: bool = False) -> NormQuant:
+    """:func:`add_rmsnorm_ref` then the 1x128 FP8 quantize of ``normed`` (rows = leading dims);
+    ``x`` may be an FP8 GEMM's split-K partials (reduced first)."""
+    if isinstance(x, SplitKPartials):
+        x = splitk_reduce_ref(x)
+    normed, h = add_rmsnorm_ref(x, residual, weight, eps)
+    q, s = quantize_act_ref(normed.reshape(-1, normed.shape[-1]))
+    return NormQuant(h, q, s, normed if store_normed else None)
 
 
 def _apply_rope_ref(x: Tensor, cs: Tensor) -> Tensor:
@@ -200,19 +243,26 @@ if HAS_TRITON:
             return x
 
     def _add_rmsnorm_kernel(
-        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr,
-        stride_x, stride_r, stride_o, stride_h,
+        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, q_ptr, s_ptr,
+        stride_x, stride_r, stride_o, stride_h, stride_xs, stride_q, n_groups,
         n_cols, inv_n, eps,
         HAS_RES: tl.constexpr,
         MEAN_DIV: tl.constexpr,
         BLOCK: tl.constexpr,
         HDT: tl.constexpr,
         ODT: tl.constexpr,
+        SPLIT: tl.constexpr,
+        STORE_OUT: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
+        # SPLIT > 1: x is an FP8 GEMM's fp32 split-K partials (stride_xs apart), summed and
+        # rounded to bf16 on load (_load_gemm_out). QUANT: also write the 1x128 e4m3
+        # quantization of the output row (q, one fp32 scale per group; quantize_act's
+        # arithmetic). STORE_OUT: write the normed row itself.
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < n_cols
-        h = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        h = _load_gemm_out(x_ptr + row * stride_x + offs, m, stride_xs, SPLIT)
         if HAS_RES:
             r = tl.load(r_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
             h = _round(h + r, HDT)
@@ -226,11 +276,18 @@ if HAS_TRITON:
         normed = _round(h * rs, HDT)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         o = _round(normed * w, ODT)
-        tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
+        if STORE_OUT:
+            tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
+        if QUANT:  # lanes past n_cols hold 0 (masked loads), as quantize_act pads a ragged group
+            g = tl.arange(0, BLOCK // 128)
+            k2 = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+            y, scale = _quant_tile(tl.reshape(o, (BLOCK // 128, 128)))
+            tl.store(q_ptr + row * stride_q + k2, y, mask=k2 < n_cols)
+            tl.store(s_ptr + row * n_groups + g, scale, mask=g < n_groups)
 
     def _qk_norm_rope_write_kernel(
         qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
-        stride_qkv, stride_cs_p, stride_cs_i, stride_cs_c,
+        stride_qkv, stride_qkv_s, stride_cs_p, stride_cs_i, stride_cs_c,
         stride_q_t, stride_q_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
         inv_d, eps,
         N_HEAD: tl.constexpr,
@@ -240,10 +297,12 @@ if HAS_TRITON:
         QK_NORM: tl.constexpr,
         MEAN_DIV: tl.constexpr,
         DT: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         # program (t, j): token t; j < N_HEAD -> query head j, else KV head j - N_HEAD
         # (K normed + roped, V copied). Head j's columns in qkv start at j * HEAD_DIM for
-        # both q and k heads.
+        # both q and k heads. SPLIT > 1: qkv is the wqkv FP8 GEMM's fp32 split-K partials
+        # (stride_qkv_s apart), summed and rounded to bf16 on load (_load_gemm_out).
         t = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         i = tl.arange(0, HALF)
@@ -257,8 +316,12 @@ if HAS_TRITON:
         sin = tl.load(cs + stride_cs_c).to(tl.float32)
 
         src = qkv_ptr + t * stride_qkv + j * HEAD_DIM + 2 * i
-        a = tl.load(src).to(tl.float32)
-        b = tl.load(src + 1).to(tl.float32)
+        if SPLIT == 1:
+            a = tl.load(src).to(tl.float32)
+            b = tl.load(src + 1).to(tl.float32)
+        else:
+            a = _load_gemm_out(src, i < HALF, stride_qkv_s, SPLIT)
+            b = _load_gemm_out(src + 1, i < HALF, stride_qkv_s, SPLIT)
         if QK_NORM:
             wa = tl.where(is_q, tl.load(qw_ptr + 2 * i, mask=is_q, other=0.0).to(tl.float32),
                           tl.load(kw_ptr + 2 * i, mask=is_k, other=0.0).to(tl.float32))
@@ -287,7 +350,11 @@ if HAS_TRITON:
         tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=wmask)
         d = tl.arange(0, HEAD_DIM)
         dmask = ((d * 0 + j) >= N_HEAD) & ((d * 0 + slot) >= 0)
-        v = tl.load(qkv_ptr + t * stride_qkv + (j + N_KV) * HEAD_DIM + d, mask=dmask, other=0.0)
+        vsrc = qkv_ptr + t * stride_qkv + (j + N_KV) * HEAD_DIM + d
+        if SPLIT == 1:
+            v = tl.load(vsrc, mask=dmask, other=0.0)
+        else:
+            v = _load_gemm_out(vsrc, dmask, stride_qkv_s, SPLIT).to(vc_ptr.dtype.element_ty)
         tl.store(vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d, v, mask=dmask)
 
     def _silu_mul_kernel(
@@ -347,6 +414,11 @@ if HAS_TRITON:
 
     # Triton fixes interpreted vs compiled mode when triton.language is imported; wrap
     # the kernels (and the device helper they call by its global name) to match.
+    from .fp8 import (  # device helpers the kernels call by name
+        _load_gemm_out,
+        _quant_tile,
+    )
+
     if triton_interpreting():
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
     else:
@@ -378,6 +450,13 @@ def _require_kernel(t: Tensor) -> bool:
 # --------------------------------------------------------------------------------------
 # add_rmsnorm
 # --------------------------------------------------------------------------------------
+
+
+def _rmsnorm_launch(dim: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the add+RMSNorm kernel for rows of ``dim``: shared by every variant,
+    so that the sum of squares is reduced in the same order (same layout) in all of them."""
+    block = _next_pow2(dim)
+    return block, 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
 
 
 def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
@@ -425,20 +504,124 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
     if rows == 0:
         return out, h
 
-    block = _next_pow2(dim)
-    nw = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    block, nw = _rmsnorm_launch(dim)
     _kernel("_add_rmsnorm_kernel")[(rows,)](
-        x2, r2 if r2 is not None else x2, w, o2, h2,
-        x2.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0), h2.stride(0),
+        x2, r2 if r2 is not None else x2, w, o2, h2, x2, x2,
+        x2.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0), h2.stride(0), 0, 0, 0,
         dim, 1.0 / dim, float(eps),
         HAS_RES=residual is not None,
         MEAN_DIV=not x.is_cuda,
         BLOCK=block,
         HDT=_DT_CODE[x.dtype],
         ODT=_DT_CODE[out_dtype],
+        SPLIT=1,
+        STORE_OUT=True,
+        QUANT=False,
         **_launch_opts(nw),
     )
     return out, h
+
+
+def add_rmsnorm_quant_triton(x: GemmOut, residual: Tensor | None, weight: Tensor, eps: float, *,
+                             store_normed: bool = False, h_out: Tensor | None = None) -> NormQuant:
+    """:func:`add_rmsnorm_triton` and :func:`shoal.kernels.fp8.quantize_act` of its ``normed``
+    in one launch: ``q`` / ``s`` are bit-identical to ``quantize_act(add_rmsnorm(x, ...)[0])``
+    (and ``h`` / ``normed`` to add_rmsnorm's), the same arithmetic in the same order.
+    ``store_normed``: also write ``normed`` (the FP8 path does not need it).
+
+    ``x`` may be an FP8 GEMM's :class:`~shoal.kernels.fp8.SplitKPartials` (then ``residual``
+    is required): the partials are summed on load as the reduce kernel would, so the reduce
+    launch is saved and nothing changes. Rows are all leading dims; dim <= 8192."""
+    partial = isinstance(x, SplitKPartials)
+    data = x.data if partial else x
+    _require_kernel(data)
+    dim = x.shape[-1]
+    if partial:
+        if residual is None:
+            raise ValueError("add_rmsnorm_quant: split-K partials need a residual")
+        if residual.dim() != 2:
+            residual = residual.reshape(-1, dim)
+    else:
+        _check_dtype("x", x)
+    xdt = x.dtype
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != xdt):
+        raise ValueError("residual must have x's shape and dtype")
+    if dim > 8192:
+        raise ValueError(f"dim {dim} > 8192 is not supported (one program per row)")
+    out_dtype = torch.promote_types(xdt, weight.dtype)
+    if out_dtype not in _DT_CODE:
+        raise ValueError(f"unsupported output dtype {out_dtype}")
+    block, nw = _rmsnorm_launch(dim)
+    if block < QUANT_GROUP:  # a row shorter than one group: the two kernels (same numerics)
+        xt = splitk_reduce(x) if partial else x
+        normed, h = add_rmsnorm_triton(xt, residual, weight, eps, h_out=h_out)
+        q, s = quantize_act_triton(normed.reshape(-1, dim))
+        return NormQuant(h, q, s, normed if store_normed else None)
+    if partial:
+        x2, split, stride_x, stride_xs = gemm_out_operand(x)
+        shape = x.shape
+    else:
+        x2 = x.reshape(-1, dim)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        split, stride_x, stride_xs, shape = 1, x2.stride(0), 0, tuple(x.shape)
+    rows = int(x2.shape[-2])
+    device = data.device
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, dim)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    w = weight if weight.stride(0) == 1 else weight.contiguous()
+    if residual is None:
+        h = x
+        h2 = x2
+    else:
+        h = torch.empty(shape, dtype=xdt, device=device) if h_out is None else h_out
+        if tuple(h.shape) != tuple(shape) or h.dtype != xdt:
+            raise ValueError("h_out must have x's shape and dtype")
+        h2 = h.view(-1, dim)
+        if h2.stride(-1) != 1:
+            raise ValueError("h_out must be contiguous in the last dimension")
+    normed = torch.empty(shape, dtype=out_dtype, device=device) if store_normed else None
+    o2 = normed.view(-1, dim) if normed is not None else h2
+    kb = -(-dim // QUANT_GROUP)
+    q = torch.empty(rows, dim, dtype=FP8_DTYPE, device=device)
+    s = torch.empty(rows, kb, dtype=torch.float32, device=device)
+    if rows == 0:
+        return NormQuant(h, q, s, normed)
+    _kernel("_add_rmsnorm_kernel")[(rows,)](
+        x2, r2 if r2 is not None else x2, w, o2, h2, q, s,
+        stride_x, r2.stride(0) if r2 is not None else 0, o2.stride(0), h2.stride(0), stride_xs, q.stride(0), kb,
+        dim, 1.0 / dim, float(eps),
+        HAS_RES=residual is not None,
+        MEAN_DIV=not data.is_cuda,
+        BLOCK=block,
+        HDT=_DT_CODE[xdt],
+        ODT=_DT_CODE[out_dtype],
+        SPLIT=split,
+        STORE_OUT=store_normed,
+        QUANT=True,
+        **_launch_opts(nw),
+    )
+    return NormQuant(h, q, s, normed)
+
+
+def add_rmsnorm_quant(x: GemmOut, residual: Tensor | None, weight: Tensor, eps: float, *,
+                      store_normed: bool = False, h_out: Tensor | None = None) -> NormQuant:
+    """``h = x + residual``; ``normed = RMSNorm(h)``; ``(q, s) = quantize_act(normed)`` (1x128
+    e4m3 groups), in one kernel when Triton can run (:func:`add_rmsnorm_quant_triton`), else
+    :func:`add_rmsnorm_quant_ref`."""
+    data = x.data if isinstance(x, SplitKPartials) else x
+    if use_triton(data):
+        return add_rmsnorm_quant_triton(x, residual, weight, eps, store_normed=store_normed, h_out=h_out)
+    res = add_rmsnorm_quant_ref(x, residual, weight, eps, store_normed=store_normed)
+    if h_out is not None and residual is not None:
+        h_out.copy_(res.h)
+        res = res._replace(h=h_out)
+    return res
 
 
 def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
@@ -466,9 +649,13 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
                               n_head, n_kv_head, head_dim, *, q_out=None):
     """Kernel version of :func:`qk_norm_rope_write_ref` (one launch). Negative slots are
-    skipped (nothing written for that token). ``q_out``: optional [N, H, D] output."""
-    _require_kernel(qkv)
-    _check_dtype("qkv", qkv)
+    skipped (nothing written for that token). ``q_out``: optional [N, H, D] output.
+    ``qkv`` may be the wqkv FP8 GEMM's :class:`~shoal.kernels.fp8.SplitKPartials` (summed on
+    load as the reduce kernel would: the same q and cache writes, one launch fewer)."""
+    partial = isinstance(qkv, SplitKPartials)
+    _require_kernel(qkv.data if partial else qkv)
+    if not partial:
+        _check_dtype("qkv", qkv)
     D = head_dim
     if D < 2 or D & (D - 1):
         raise ValueError(f"head_dim must be a power of two, got {D}")
@@ -476,10 +663,15 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         raise ValueError(f"qkv last dim {qkv.shape[-1]} != (n_head + 2 * n_kv_head) * head_dim")
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("give both q_norm_w and k_norm_w, or neither")
-    qkv2 = qkv.reshape(-1, qkv.shape[-1])
-    if qkv2.stride(-1) != 1:
-        qkv2 = qkv2.contiguous()
-    N = qkv2.shape[0]
+    if partial:
+        qkv2, split, stride_row, stride_split = gemm_out_operand(qkv)
+    else:
+        qkv2 = qkv.reshape(-1, qkv.shape[-1])
+        if qkv2.stride(-1) != 1:
+            qkv2 = qkv2.contiguous()
+        split, stride_row, stride_split = 1, qkv2.stride(0), 0
+    dtype, device = qkv.dtype, qkv2.device
+    N = qkv.shape[0] if partial else qkv2.shape[0]
     pos = positions.reshape(-1)
     sl = slots.reshape(-1)
     if pos.shape[0] != N or sl.shape[0] != N:
@@ -488,14 +680,14 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         raise ValueError(f"cos_sin must be [L, {D // 2}, 2], got {tuple(cos_sin.shape)}")
     kc = _flat_cache(k_cache, n_kv_head, D)
     vc = _flat_cache(v_cache, n_kv_head, D)
-    if kc.dtype != qkv.dtype or vc.dtype != qkv.dtype:
-        raise ValueError(f"cache dtype {kc.dtype} / {vc.dtype} != qkv dtype {qkv.dtype}")
+    if kc.dtype != dtype or vc.dtype != dtype:
+        raise ValueError(f"cache dtype {kc.dtype} / {vc.dtype} != qkv dtype {dtype}")
     if kc.stride(-1) != 1 or vc.stride(-1) != 1:
         raise ValueError("caches must be contiguous in head_dim")
     if q_out is None:
-        q_out = torch.empty((N, n_head, D), dtype=qkv.dtype, device=qkv.device)
-    elif q_out.shape != (N, n_head, D) or q_out.dtype != qkv.dtype or q_out.stride(-1) != 1:
-        raise ValueError(f"q_out must be [{N}, {n_head}, {D}] {qkv.dtype}, contiguous in D")
+        q_out = torch.empty((N, n_head, D), dtype=dtype, device=device)
+    elif q_out.shape != (N, n_head, D) or q_out.dtype != dtype or q_out.stride(-1) != 1:
+        raise ValueError(f"q_out must be [{N}, {n_head}, {D}] {dtype}, contiguous in D")
     if N == 0:
         return q_out
     if q_norm_w is not None:
@@ -508,7 +700,7 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         qw = kw = qkv2
     _kernel("_qk_norm_rope_write_kernel")[(N, n_head + n_kv_head)](
         qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc,
-        qkv2.stride(0), cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
+        stride_row, stride_split, cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
         q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
         1.0 / D, float(eps),
         N_HEAD=n_head,
@@ -516,8 +708,9 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         HEAD_DIM=D,
         HALF=D // 2,
         QK_NORM=q_norm_w is not None,
-        MEAN_DIV=not qkv.is_cuda,
-        DT=_DT_CODE[qkv.dtype],
+        MEAN_DIV=not qkv2.is_cuda,
+        DT=_DT_CODE[dtype],
+        SPLIT=split,
         **_launch_opts(1 if D <= 128 else 2),
     )
     return q_out
@@ -529,14 +722,17 @@ def qk_norm_rope_write(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache
     ``k_cache`` / ``v_cache`` (``[..., H_kv, D]``, flattened to slots) at ``slots``;
     returns q ``[N, H, D]``.
 
-    ``qkv``: ``[N, (H + 2 H_kv) D]`` (leading dims flattened); ``positions`` / ``slots``:
-    ``[N]`` int; ``cos_sin``: ``[L, D/2, 2]`` (layers.rope_table). Works for the paged
-    cache (``PagedKVCache.k(layer)``, slot = block * block_size + offset) and for the
-    fast cache (``FastCacheBackend.k[layer]``, slot = row * C + position).
+    ``qkv``: ``[N, (H + 2 H_kv) D]`` (leading dims flattened), or the wqkv FP8 GEMM's
+    :class:`~shoal.kernels.fp8.SplitKPartials`; ``positions`` / ``slots``: ``[N]`` int;
+    ``cos_sin``: ``[L, D/2, 2]`` (layers.rope_table). Works for the paged cache
+    (``PagedKVCache.k(layer)``, slot = block * block_size + offset) and for the fast cache
+    (``FastCacheBackend.k[layer]``, slot = row * C + position).
     """
-    if use_triton(qkv):
+    if use_triton(qkv.data if isinstance(qkv, SplitKPartials) else qkv):
         return qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache,
                                          slots, n_head, n_kv_head, head_dim, q_out=q_out)
+    if isinstance(qkv, SplitKPartials):
+        qkv = splitk_reduce_ref(qkv)
     q = qk_norm_rope_write_ref(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
                                n_head, n_kv_head, head_dim)
     if q_out is not None:

@@ -27,6 +27,11 @@ class SlowOutput:
 
 
 class DualAR(nn.Module):
+    # FP8 weights + fused kernels: run the fused FP8 layer (kernels/fp8_fused.py: split-K
+    # partials and activation quantization consumed by the next kernel, bit-identical);
+    # False runs the unfused FP8 kernels (comparisons, benchmarks)
+    fp8_fusion: bool = True
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.semantic_begin_id is None or config.semantic_end_id is None:
@@ -123,6 +128,8 @@ class DualAR(nn.Module):
         self.fused = enabled
         if not enabled:
             return
+        for stack in (self.layers, self.fast_layers):
+            stack.__dict__.pop("_fp8_fused_ok", None)  # fp8_fused.stack_supported's cache
         for layer in list(self.layers) + list(self.fast_layers):
             ff = layer.feed_forward
             if hasattr(ff.w1, "weight_q"):  # FP8Linear (shoal.quant): one stacked FP8 GEMM
@@ -145,6 +152,7 @@ class DualAR(nn.Module):
                       backend) -> tuple[Tensor, Tensor]:
         """Run ``layers`` with fused kernels; returns (last hidden h, h's final residual sum).
         Numerically the same sequence as Block.forward (same roundings)."""
+        from ..kernels import fp8_fused
         from ..kernels.fp8 import silu_mul_quant
         from ..kernels.fused import add_rmsnorm, qk_norm_rope_write, silu_mul
 
@@ -153,30 +161,44 @@ class DualAR(nn.Module):
         N = B * S
         pos = positions.reshape(N)
         h = x.reshape(N, D)
-        normed, h = add_rmsnorm(h, None, layers[0].attention_norm.weight, eps)
+        # FP8 (Triton): norms write the next GEMM's quantized input, GEMMs leave split-K partials
+        # to the kernel that reads them (fp8_fused); bit-identical to the unfused FP8 kernels
+        fp8 = self.fp8_fusion and fp8_fused.active(layers, h)
+        if fp8:
+            h, act = fp8_fused.norm_quant(h, None, layers[0].attention_norm.weight, eps)
+        else:
+            normed, h = add_rmsnorm(h, None, layers[0].attention_norm.weight, eps)
         for i, layer in enumerate(layers):
             att = layer.attention
             sh = att.shape
-            qkv = att.wqkv(normed)
+            qkv = fp8_fused.project(att.wqkv, act) if fp8 else att.wqkv(normed)
             k_cache, v_cache, slots = backend.fused_target(i)
             q = qk_norm_rope_write(qkv, pos, rope,
                                    att.q_norm.weight if sh.qk_norm else None,
                                    att.k_norm.weight if sh.qk_norm else None, eps,
                                    k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim)
             y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
-            a = att.wo(y.reshape(N, sh.q_size))
-            normed, h = add_rmsnorm(a, h, layer.ffn_norm.weight, eps)
             ff = layer.feed_forward
-            w13_fp8 = getattr(ff, "w13_fp8", None)
-            if w13_fp8 is not None and w13_fp8.use_kernels(normed):
-                gu = w13_fp8.forward_kernels(normed)
-                f = ff.w2.forward_kernels(gu, quantized=silu_mul_quant(gu))
-            elif w13_fp8 is not None:
-                f = ff.w2(silu_mul(w13_fp8(normed)))
+            if fp8:
+                a = fp8_fused.project(att.wo, y.reshape(N, sh.q_size))
+                h, act = fp8_fused.norm_quant(a, h, layer.ffn_norm.weight, eps)
+                f = fp8_fused.mlp(ff, act, partials=i + 1 < len(layers))  # last layer: bf16 for h + f
             else:
-                f = ff.w2(silu_mul(nn.functional.linear(normed, ff.w13)))
+                a = att.wo(y.reshape(N, sh.q_size))
+                normed, h = add_rmsnorm(a, h, layer.ffn_norm.weight, eps)
+                w13_fp8 = getattr(ff, "w13_fp8", None)
+                if w13_fp8 is not None and w13_fp8.use_kernels(normed):
+                    gu = w13_fp8.forward_kernels(normed)
+                    f = ff.w2.forward_kernels(gu, quantized=silu_mul_quant(gu))
+                elif w13_fp8 is not None:
+                    f = ff.w2(silu_mul(w13_fp8(normed)))
+                else:
+                    f = ff.w2(silu_mul(nn.functional.linear(normed, ff.w13)))
             if i + 1 < len(layers):
-                normed, h = add_rmsnorm(f, h, layers[i + 1].attention_norm.weight, eps)
+                if fp8:
+                    h, act = fp8_fused.norm_quant(f, h, layers[i + 1].attention_norm.weight, eps)
+                else:
+                    normed, h = add_rmsnorm(f, h, layers[i + 1].attention_norm.weight, eps)
             else:
                 h = h + f
         return h.view(B, S, D)
