@@ -2,7 +2,7 @@
 
 The PyTorch sampler (:mod:`shoal.engine.sampling`) spends ~40 small kernels per draw (sort,
 softmax, cumsum, scatter, masks, the noise hash, argmax); the decode step draws 11 times per
-frame, so at batch 1 these launches cost about as much as a tenth of the weights' bandwidth.
+frame, hundreds of launches per step.
 Here one kernel does a whole draw and reads the per-request state straight from the runner's
 slot tensors (no gathers):
 
@@ -13,16 +13,18 @@ slot tensors (no gathers):
 * :func:`s2_residual_sample` -- one residual codebook from fast logits ``[B, n]``: the code
   written into the frame's column buffer and its fast embedding for the next fast position.
 
-Numerics (the S2 rule of :mod:`shoal.engine.sampling`, per row, in the logits dtype):
-sort descending (ties: lower index first, as a stable sort); ``cum = cumsum(softmax(sorted))``
-with the softmax rounded to the logits dtype and an fp32 running sum rounded to the logits
-dtype (PyTorch's CPU cumsum; its CUDA bf16 cumsum rounds the running sum at every step);
-drop ``cum > top_p`` / ``rank >= top_k`` (rank 0 kept); ``softmax(logits / temperature)`` in
-the logits dtype; token = first index of ``max(probs / q)`` with the counter-hash noise
-``q = -log U``. Exponentials, logarithms and divisions are IEEE-accurate (libdevice,
-``div_rn``), so the kernel agrees with the PyTorch sampler except where the two cumsum
-summation orders round a cumulative value differently right at the ``top_p`` boundary, or two
-race scores tie within an fp32 ulp (measured in tests/test_sampling_kernels.py).
+Numerics (the S2 rule of :mod:`shoal.engine.sampling`, per row, in the logits dtype): the
+nucleus is the prefix of the descending order (ties: lower index first, as a stable sort)
+whose ranks r satisfy r == 0 or (r < top_k and cum_r <= top_p), where cum_r is the fp32 running
+sum of the softmax values (each rounded to the logits dtype) rounded to the logits dtype --
+PyTorch's CPU cumsum; its CUDA bf16 cumsum rounds the running sum at every step. No sort: the
+kernel walks the ranks in order with one max reduction each until every draw has stopped
+keeping them (top_k 30 bounds the walk at 30), then draws vectorized over the row: the first
+index of ``max(probs / q)`` with ``probs = softmax(logits / temperature)`` over the kept set
+and the counter-hash noise ``q = -log U``. Exponentials, logarithms and divisions are
+IEEE-accurate (libdevice, ``div_rn``), so the kernel draws what the PyTorch sampler draws
+except where a different summation order rounds a value differently at a boundary or two race
+scores tie within an fp32 ulp (tests/test_sampling_kernels.py counts them: 0 so far).
 """
 
 from __future__ import annotations
@@ -98,47 +100,75 @@ if HAS_TRITON:
         return tl.maximum(-_log(u, ACCURATE), 1.1754943508222875e-38)
 
     @triton.jit
-    def _sorted_row(row_ptr, V, BLOCK: tl.constexpr):
-        """Load a logits row and sort it descending (ties: lower index first) ->
-        (values fp32 [BLOCK], original indices int32 [BLOCK]); padding sorts last as -inf."""
+    def _row(row_ptr, V, BLOCK: tl.constexpr):
+        """Load a logits row -> (values fp32, indices, keys): ``key`` orders the entries as a
+        stable descending sort does (value first, then lower index first) and is unique;
+        padding lanes are -inf below every real entry."""
         offs = tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         x = x + 0.0  # -0.0 -> +0.0: equal logits must tie
         b = x.to(tl.int32, bitcast=True)
         ordered = b ^ ((b >> 31) & 0x7FFFFFFF)  # monotone in the float value
         key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)
-        key = tl.sort(key, descending=True)
+        return x, offs, key
+
+    @triton.jit
+    def _key_value(key):
         hi = (key >> 32).to(tl.int32)
-        val = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        idx = BLOCK - 1 - (key & 0xFFFFFFFF).to(tl.int32)
-        return val, idx
+        return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _cumulative(val, ROUND: tl.constexpr, ACCURATE: tl.constexpr):
-        """cum[r] = sum_{j <= r} softmax(val)[j] (softmax and cum rounded to the logits dtype)."""
-        m = tl.max(val, 0)
-        e = _exp(val - m, ACCURATE)
-        s = tl.sum(e, 0)
-        sm = _round_dt(tl.math.div_rn(e, tl.zeros_like(e) + s), ROUND)
-        return _round_dt(tl.cumsum(sm, 0), ROUND)
+    def _nucleus(x, key, V, k, p_a, p_b, TWO: tl.constexpr, ROUND: tl.constexpr, ACCURATE: tl.constexpr):
+        """The kept sets of the S2 rule without a sort: walk the ranks in order (one max
+        reduction each) while a draw still keeps them -> (key of draw a's last kept rank,
+        the same for draw b). Rank r >= 1 is kept while r < top_k and
+        ``cum_r = round(fp32 sum of round(softmax)_0..r) <= top_p``; kept sets are prefixes."""
+        m = tl.max(x, 0)
+        S = tl.sum(_exp(x - m, ACCURATE), 0)
+        p_a = _round_dt(p_a, ROUND)
+        p_b = _round_dt(p_b, ROUND)
+        prev = tl.max(key, 0)  # rank 0: always kept
+        cum = _round_dt(tl.math.div_rn(_exp(_key_value(prev) - m, ACCURATE), S), ROUND)
+        thr_a = prev
+        thr_b = prev
+        alive_a = k > 1
+        if TWO:
+            alive_b = k > 1
+        else:
+            alive_b = k < 0
+        r = 1
+        while (alive_a | alive_b) & (r < V):
+            cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
+            cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur) - m, ACCURATE), S), ROUND)
+            c = _round_dt(cum, ROUND)
+            alive_a = alive_a & (r < k) & (c <= p_a)
+            alive_b = alive_b & (r < k) & (c <= p_b)
+            thr_a = tl.where(alive_a, cur, thr_a)
+            thr_b = tl.where(alive_b, cur, thr_b)
+            prev = cur
+            r += 1
+        return thr_a, thr_b
 
     @triton.jit
-    def _race(val, idx, cum, k, temperature, top_p, key, TMIN: tl.constexpr, BLOCK: tl.constexpr,
-              ROUND: tl.constexpr, ACCURATE: tl.constexpr):
-        """One S2 draw from a sorted row -> the chosen original index (int32 scalar)."""
-        ranks = tl.arange(0, BLOCK)
-        p = _round_dt(top_p, ROUND)
+    def _race(x, offs, key, thr, temperature, rkey, TMIN: tl.constexpr, ROUND: tl.constexpr,
+              ACCURATE: tl.constexpr):
+        """One draw over the kept set ``key >= thr``: softmax(x / temperature) there (in the
+        logits dtype), then the first index of max(probs / q) -> int32 scalar."""
+        kept = key >= thr
         t = tl.maximum(_round_dt(temperature, ROUND), TMIN)
-        remove = ((cum > p) | (ranks >= k)) & (ranks != 0)
-        scaled = _round_dt(tl.math.div_rn(val, tl.zeros_like(val) + t), ROUND)
-        scaled = tl.where(remove, float("-inf"), scaled)
+        scaled = _round_dt(tl.math.div_rn(x, tl.zeros_like(x) + t), ROUND)
+        scaled = tl.where(kept, scaled, float("-inf"))
         m = tl.max(scaled, 0)
         e = _exp(scaled - m, ACCURATE)
         s = tl.sum(e, 0)
         probs = _round_dt(tl.math.div_rn(e, tl.zeros_like(e) + s), ROUND)
-        score = tl.math.div_rn(probs, _race_noise(key, idx, ACCURATE))
+        score = tl.where(kept, tl.math.div_rn(probs, _race_noise(rkey, offs, ACCURATE)), -1.0)
         best = tl.max(score, 0)
-        return tl.min(tl.where(score == best, idx, 2147483647), 0)
+        return tl.min(tl.where(score == best, offs, 2147483647), 0)
+
+    @triton.jit
+    def _first_argmax(x, offs):
+        return tl.min(tl.where(x == tl.max(x, 0), offs, 2147483647), 0)
 
     @triton.jit
     def _copy_embedding(emb_ptr, stride_e, code, out_ptr, D, BLOCK_D: tl.constexpr):
@@ -155,17 +185,15 @@ if HAS_TRITON:
                         ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
-        val, idx = _sorted_row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK)
-        cum = _cumulative(val, ROUND, ACCURATE)
-        ranks = tl.arange(0, BLOCK)
-        top1 = tl.sum(tl.where(ranks == 0, idx, 0), 0)
+        x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK)
         counter = tl.load(frame_ptr + slot) * DRAWS
         seed = tl.load(seed_ptr + slot)
-        k = tl.load(top_k_ptr + slot)
-        normal = _race(val, idx, cum, k, tl.load(temp_ptr + slot), tl.load(top_p_ptr + slot),
-                       _draw_key(seed, counter), TMIN, BLOCK, ROUND, ACCURATE)
-        high = _race(val, idx, cum, k, tl.load(ras_temp_ptr + slot), tl.load(ras_top_p_ptr + slot),
-                     _draw_key(seed, counter + 1), TMIN, BLOCK, ROUND, ACCURATE)
+        thr_n, thr_h = _nucleus(x, key, A, tl.load(top_k_ptr + slot), tl.load(top_p_ptr + slot),
+                                tl.load(ras_top_p_ptr + slot), True, ROUND, ACCURATE)
+        normal = _race(x, offs, key, thr_n, tl.load(temp_ptr + slot), _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
+        high = _race(x, offs, key, thr_h, tl.load(ras_temp_ptr + slot), _draw_key(seed, counter + 1), TMIN,
+                     ROUND, ACCURATE)
+        top1 = _first_argmax(x, offs)
         greedy = tl.load(greedy_ptr + slot).to(tl.int32)
         wo = tl.arange(0, W)
         win = tl.load(window_ptr + slot * stride_w + wo)
@@ -188,13 +216,13 @@ if HAS_TRITON:
                             ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
-        val, idx = _sorted_row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK)
-        cum = _cumulative(val, ROUND, ACCURATE)
-        ranks = tl.arange(0, BLOCK)
-        top1 = tl.sum(tl.where(ranks == 0, idx, 0), 0)
+        x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK)
         counter = tl.load(frame_ptr + slot) * DRAWS + draw
-        pick = _race(val, idx, cum, tl.load(top_k_ptr + slot), tl.load(temp_ptr + slot),
-                     tl.load(top_p_ptr + slot), _draw_key(tl.load(seed_ptr + slot), counter), TMIN, BLOCK, ROUND, ACCURATE)
+        top_p = tl.load(top_p_ptr + slot)
+        thr, _ = _nucleus(x, key, n, tl.load(top_k_ptr + slot), top_p, top_p, False, ROUND, ACCURATE)
+        pick = _race(x, offs, key, thr, tl.load(temp_ptr + slot), _draw_key(tl.load(seed_ptr + slot), counter),
+                     TMIN, ROUND, ACCURATE)
+        top1 = _first_argmax(x, offs)
         greedy = tl.load(greedy_ptr + slot).to(tl.int32)
         code = tl.where(greedy != 0, top1, pick)
         tl.store(cols_ptr + row * stride_c + col, code.to(tl.int64))
