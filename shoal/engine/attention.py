@@ -133,11 +133,16 @@ class FastCacheBackend:
         self.group = n_heads // n_kv_heads
         self.position = 0
         self._rows = 0  # batch rows of the current step (fused path)
+        self._slot_table: Tensor | None = None  # [length, rows]: row * length + position
 
     def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        B = self._rows
-        slots = torch.arange(B, device=self.k.device) * self.k.shape[2] + self.position
-        return self.k[layer], self.v[layer], slots
+        """(K cache, V cache, flat slots of this position for rows 0..B-1): the slots are a
+        view into a table built once, so a captured step launches no index kernels for them."""
+        if self._slot_table is None:
+            rows, length = self.k.shape[1], self.k.shape[2]
+            self._slot_table = (torch.arange(rows, device=self.k.device)[None, :] * length
+                                + torch.arange(length, device=self.k.device)[:, None]).contiguous()
+        return self.k[layer], self.v[layer], self._slot_table[self.position, : self._rows]
 
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         from ..kernels.fused import fast_decode_attention

@@ -203,6 +203,24 @@ class DualAR(nn.Module):
                 h = h + f
         return h.view(B, S, D)
 
+    def _final_norm(self, x: Tensor, norm: nn.Module, fused: bool) -> Tensor:
+        """RMSNorm of the last hidden state: one fused kernel on the fused path (same numerics)."""
+        if not fused:
+            return norm(x)
+        from ..kernels.fused import add_rmsnorm
+
+        return add_rmsnorm(x, None, norm.weight, self.config.norm_eps)[0]
+
+    def _fast_positions(self, position: int, rows: int, device: torch.device) -> Tensor:
+        """[rows, 1] int64 filled with ``position``: a view into a cached [C, R] table, so a
+        captured decode step launches no fill kernel per fast position."""
+        table = getattr(self, "_fast_pos_table", None)
+        if table is None or table.shape[1] < rows or table.device != device:
+            n = self.config.num_codebooks
+            table = torch.arange(n, device=device)[:, None].repeat(1, max(rows, 1)).contiguous()
+            self._fast_pos_table = table
+        return table[position, :rows, None]
+
     def _use_fused(self, backend) -> bool:
         return getattr(self, "fused", False) and hasattr(backend, "fused_target")
 
@@ -225,7 +243,7 @@ class DualAR(nn.Module):
             last = x[:, -1]
         else:
             last = x[torch.arange(B, device=x.device), last_index]
-        normed = self.norm(last)
+        normed = self._final_norm(last, self.norm, self._use_fused(backend))
         if head == "full":
             logits = self.slow_head(normed)
         elif head == "allowed":
@@ -242,8 +260,9 @@ class DualAR(nn.Module):
         [B, n_out] (the first ``n_out`` codes; default all; 0 skips the head and returns None).
         The backend must be bound to positions ``[[position]] * B``."""
         h = x.unsqueeze(1)
-        if self._use_fused(backend):
-            pos = torch.full((h.shape[0], 1), position, dtype=torch.long, device=h.device)
+        fused = self._use_fused(backend)
+        if fused:
+            pos = self._fast_positions(position, h.shape[0], h.device)
             h = self._layers_fused(h, self.fast_layers, pos, self.fast_rope, backend)
         else:
             cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
@@ -252,7 +271,7 @@ class DualAR(nn.Module):
         if n_out == 0:
             return None
         head = self.fast_output
-        normed = self.fast_norm(h[:, 0])
+        normed = self._final_norm(h[:, 0], self.fast_norm, fused)
         if hasattr(head, "weight_q") and head.use_kernels(normed):  # FP8 head (shoal.quant)
             from ..kernels.fp8 import fp8_linear
 
