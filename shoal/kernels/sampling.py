@@ -100,25 +100,35 @@ if HAS_TRITON:
         return tl.maximum(-_log(u, ACCURATE), 1.1754943508222875e-38)
 
     @triton.jit
-    def _row(row_ptr, V, BLOCK: tl.constexpr):
+    def _row(row_ptr, V, BLOCK: tl.constexpr, KEY32: tl.constexpr):
         """Load a logits row -> (values fp32, indices, keys): ``key`` orders the entries as a
         stable descending sort does (value first, then lower index first) and is unique;
-        padding lanes are -inf below every real entry."""
+        padding lanes are -inf below every real entry. ``KEY32`` (bf16 logits, V <= 65536):
+        int32 keys, the bf16 bits over the inverted index; else int64 (fp32 bits)."""
         offs = tl.arange(0, BLOCK)
         x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         x = x + 0.0  # -0.0 -> +0.0: equal logits must tie
         b = x.to(tl.int32, bitcast=True)
         ordered = b ^ ((b >> 31) & 0x7FFFFFFF)  # monotone in the float value
-        key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)
+        if KEY32:  # a bf16 value's fp32 bits end in 16 zero bits: keep the top half
+            key = (ordered & -65536) | (65535 - offs)
+        else:
+            key = (ordered.to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)
         return x, offs, key
 
     @triton.jit
-    def _key_value(key):
-        hi = (key >> 32).to(tl.int32)
-        return (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    def _key_value(key, KEY32: tl.constexpr):
+        if KEY32:
+            hi = key >> 16
+            bits = (hi ^ ((hi >> 15) & 0x7FFF)) << 16
+        else:
+            hi = (key >> 32).to(tl.int32)
+            bits = hi ^ ((hi >> 31) & 0x7FFFFFFF)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _nucleus(x, key, V, k, p_a, p_b, TWO: tl.constexpr, ROUND: tl.constexpr, ACCURATE: tl.constexpr):
+    def _nucleus(x, key, V, k, p_a, p_b, TWO: tl.constexpr, ROUND: tl.constexpr, ACCURATE: tl.constexpr,
+                 KEY32: tl.constexpr):
         """The kept sets of the S2 rule without a sort: walk the ranks in order (one max
         reduction each) while a draw still keeps them -> (key of draw a's last kept rank,
         the same for draw b). Rank r >= 1 is kept while r < top_k and
@@ -128,7 +138,7 @@ if HAS_TRITON:
         p_a = _round_dt(p_a, ROUND)
         p_b = _round_dt(p_b, ROUND)
         prev = tl.max(key, 0)  # rank 0: always kept
-        cum = _round_dt(tl.math.div_rn(_exp(_key_value(prev) - m, ACCURATE), S), ROUND)
+        cum = _round_dt(tl.math.div_rn(_exp(_key_value(prev, KEY32) - m, ACCURATE), S), ROUND)
         thr_a = prev
         thr_b = prev
         alive_a = k > 1
@@ -138,8 +148,11 @@ if HAS_TRITON:
             alive_b = k < 0
         r = 1
         while (alive_a | alive_b) & (r < V):
-            cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
-            cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur) - m, ACCURATE), S), ROUND)
+            if KEY32:
+                cur = tl.max(tl.where(key < prev, key, -2147483647), 0)
+            else:
+                cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
+            cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
             c = _round_dt(cum, ROUND)
             alive_a = alive_a & (r < k) & (c <= p_a)
             alive_b = alive_b & (r < k) & (c <= p_b)
@@ -185,11 +198,11 @@ if HAS_TRITON:
                         ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
-        x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK)
+        x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK, ROUND)
         counter = tl.load(frame_ptr + slot) * DRAWS
         seed = tl.load(seed_ptr + slot)
         thr_n, thr_h = _nucleus(x, key, A, tl.load(top_k_ptr + slot), tl.load(top_p_ptr + slot),
-                                tl.load(ras_top_p_ptr + slot), True, ROUND, ACCURATE)
+                                tl.load(ras_top_p_ptr + slot), True, ROUND, ACCURATE, ROUND)
         normal = _race(x, offs, key, thr_n, tl.load(temp_ptr + slot), _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
         high = _race(x, offs, key, thr_h, tl.load(ras_temp_ptr + slot), _draw_key(seed, counter + 1), TMIN,
                      ROUND, ACCURATE)
@@ -216,10 +229,10 @@ if HAS_TRITON:
                             ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
-        x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK)
+        x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK, ROUND)
         counter = tl.load(frame_ptr + slot) * DRAWS + draw
         top_p = tl.load(top_p_ptr + slot)
-        thr, _ = _nucleus(x, key, n, tl.load(top_k_ptr + slot), top_p, top_p, False, ROUND, ACCURATE)
+        thr, _ = _nucleus(x, key, n, tl.load(top_k_ptr + slot), top_p, top_p, False, ROUND, ACCURATE, ROUND)
         pick = _race(x, offs, key, thr, tl.load(temp_ptr + slot), _draw_key(tl.load(seed_ptr + slot), counter),
                      TMIN, ROUND, ACCURATE)
         top1 = _first_argmax(x, offs)
@@ -253,6 +266,8 @@ def _check_rows(logits: Tensor, slots: Tensor, cols: Tensor) -> int:
     B = logits.shape[0]
     if slots.shape != (B,) or slots.dtype != torch.long:
         raise ValueError("slots must be int64 [B]")
+    if logits.dtype == torch.bfloat16 and logits.shape[1] > 65536:
+        raise ValueError("bf16 rows longer than 65,536 entries are not supported (int32 sort keys)")
     if cols.dim() != 2 or cols.shape[0] < B or cols.dtype != torch.long or cols.stride(1) != 1:
         raise ValueError("cols must be int64 [>= B, 1 + C] with unit stride")
     return B
