@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-running", type=int, default=128)
     p.add_argument("--audio", action="store_true", help="stream audio through the (random, real-size) codec")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per engine step")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro",
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     engine = Engine(model, S2_IM_END, codec=codec, config=EngineConfig(
         max_running=args.max_running, num_blocks=None if dev.type == "cuda" else 2048, cuda_graphs=not args.no_graphs, max_seq_len=4096,
+        prefill_chunk=args.prefill_chunk,
         audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
     t = time.perf_counter()
     engine.warmup()
