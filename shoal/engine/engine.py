@@ -85,6 +85,8 @@ class Engine:
         self.stats = {"steps": 0, "frames": 0, "prefill_tokens": 0, "preemptions": 0,
                       "finished": 0, "decode_s": 0.0, "prefill_s": 0.0, "audio_s": 0.0}
         self._last_block_count: dict[str, int] = {}
+        # the decode step launched last and not yet read: (requests, their decode_gen, handle)
+        self._inflight: tuple[list[EngineRequest], list[int], object] | None = None
 
     def _auto_blocks(self, max_running: int, max_blocks_per_seq: int) -> int:
         cfg = self.config
@@ -166,7 +168,7 @@ class Engine:
             req.cancelled = True
 
     def has_work(self) -> bool:
-        return bool(self.requests) or bool(self._audio_pending)
+        return bool(self.requests) or bool(self._audio_pending) or self._inflight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -201,6 +203,7 @@ class Engine:
 
     def _finish(self, req: EngineRequest, reason: str, events: list[Event], error: str | None = None) -> None:
         self.scheduler.remove(req)
+        req.invalidate_pending()
         self._last_block_count.pop(req.request_id, None)
         self.requests.pop(req.request_id, None)
         req.status = Status.FINISHED
@@ -252,6 +255,7 @@ class Engine:
                 self._finish(req, "eos" if eos else "length", events)
             else:  # next text batch: its prompt extends this one, so the prefix cache hits
                 self.scheduler.remove(req)
+                req.invalidate_pending()
                 self._last_block_count.pop(req.request_id, None)
                 req.batch_index += 1
                 try:
@@ -304,14 +308,15 @@ class Engine:
         t1 = time.perf_counter()
         decode = [r for r in plan.decode if r.status is Status.DECODE and r.request_id in self.requests
                   and r.slot is not None]
-        if decode:
+        launched = None
+        if decode:  # launch this step, then read the previous one while the device runs it
             for req in decode:
                 self._sync_blocks(req)
-            cols = runner.decode([r.slot for r in decode])
-            for req, col in zip(decode, cols):
-                self.pool.commit_tokens(req.request_id, req.last_input[:, None])
-                req.last_input = col
-                self._on_column(req, col, not req.new_columns, events)
+                req.pending += 1
+            launched = (decode, [r.decode_gen for r in decode], runner.launch_decode([r.slot for r in decode]))
+        if self._inflight is not None:
+            self._read_columns(*self._inflight, events)
+        self._inflight = launched
         t2 = time.perf_counter()
         if self.audio is not None:
             events.extend(self._audio_events())
@@ -321,6 +326,19 @@ class Engine:
         self.stats["decode_s"] += t2 - t1
         self.stats["audio_s"] += t3 - t2
         return events
+
+    def _read_columns(self, decode: list[EngineRequest], gens: list[int], handle, events: list[Event]) -> None:
+        """Book-keep the columns of a finished decode step. A request preempted, finished or
+        moved to its next text batch after the launch drops its column: its state no longer
+        includes that step (a resumed request samples the same frame again: counter noise)."""
+        cols = self.runner.collect_decode(handle)
+        for req, gen, col in zip(decode, gens, cols):
+            if req.decode_gen != gen or self.requests.get(req.request_id) is not req:
+                continue
+            req.pending -= 1
+            self.pool.commit_tokens(req.request_id, req.last_input[:, None])
+            req.last_input = col
+            self._on_column(req, col, not req.new_columns, events)
 
     def _audio_events(self) -> list[Event]:
         out: list[Event] = []

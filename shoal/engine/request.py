@@ -96,6 +96,11 @@ class EngineRequest:
     all_codes: list[np.ndarray] = field(default_factory=list)
     slot: int | None = None
     last_input: np.ndarray | None = None  # the column the next decode step consumes
+    # decode steps launched on the device whose columns the host has not read yet (the engine
+    # keeps one step in flight); ``decode_gen`` changes whenever such columns become stale
+    # (preemption, end of a text batch, finish), so the engine drops them on arrival
+    pending: int = 0
+    decode_gen: int = 0
     preemptions: int = 0
     cancelled: bool = False
     first_frame_time: float | None = None
@@ -104,6 +109,15 @@ class EngineRequest:
 
     def current_frames(self) -> int:
         return len(self.new_columns)
+
+    def wants_frame(self) -> bool:
+        """Whether another decode step may be launched: frames known + in flight < budget."""
+        return len(self.new_columns) + self.pending < self.budget
+
+    def invalidate_pending(self) -> None:
+        """Columns still in flight no longer belong to this request's current state."""
+        self.pending = 0
+        self.decode_gen += 1
 
 
 class GridSession:

@@ -81,8 +81,12 @@ class ModelRunner:
         self.prefill_backend = PagedPrefillBackend(self.kv, s.n_head, s.n_local_heads)
         self.fast_backend = FastCacheBackend(f.n_layer, cfg.max_slots, self.C, f.n_head,
                                              f.n_local_heads, f.head_dim, dt, dev)
-        self.pinned = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long,
-                                  pin_memory=dev.type == "cuda")
+        # two host buffers each for slot ids in and columns out: one step may be in flight
+        # while the next is launched (Engine keeps one decode step ahead of its bookkeeping)
+        pin = dev.type == "cuda"
+        self.pinned = [torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.pinned_ids = [torch.zeros(cfg.max_slots, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._flip = 0
         self.buckets = cfg.graph_buckets or default_buckets(cfg.max_slots)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
@@ -249,12 +253,17 @@ class ModelRunner:
             raise ValueError(f"batch {n} exceeds max_slots {self.cfg.max_slots}")
         return self.buckets[i]
 
-    def decode(self, slots: list[int]) -> np.ndarray:
-        """One decode step for the requests in ``slots``; returns their new columns [n, 1 + C]."""
+    def launch_decode(self, slots: list[int]) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Enqueue one decode step for the requests in ``slots`` and the copy of their new
+        columns to a pinned host buffer; returns at once (a handle for :meth:`collect_decode`).
+        At most two steps may be outstanding (the buffers alternate)."""
         n = len(slots)
         B = self.bucket_for(n) if self.graphs or self.cfg.cuda_graphs else n
-        ids = torch.full((B,), self.scratch_slot, dtype=torch.long)
-        ids[:n] = torch.tensor(slots, dtype=torch.long)
+        buf = self._flip
+        self._flip ^= 1
+        ids = self.pinned_ids[buf][:B]
+        ids.fill_(self.scratch_slot)
+        ids[:n] = torch.as_tensor(slots, dtype=torch.long)
         self.slot_ids[:B].copy_(ids, non_blocking=True)
         graph = self.graphs.get(B)
         with torch.inference_mode():
@@ -262,11 +271,25 @@ class ModelRunner:
                 graph.replay()
             else:
                 self._decode_body(B)
-            out = self.pinned[:n]
+            out = self.pinned[buf][:n]
             out.copy_(self.out_cols[:n], non_blocking=True)
+        event = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+            event = torch.cuda.Event()
+            event.record()
+        return out, event
+
+    @staticmethod
+    def collect_decode(handle: tuple[Tensor, torch.cuda.Event | None]) -> np.ndarray:
+        """Wait for a launched step; its new columns [n, 1 + C]."""
+        out, event = handle
+        if event is not None:
+            event.synchronize()
         return out.numpy().copy()
+
+    def decode(self, slots: list[int]) -> np.ndarray:
+        """One decode step for the requests in ``slots``; returns their new columns [n, 1 + C]."""
+        return self.collect_decode(self.launch_decode(slots))
 
     def capture_graphs(self, show_progress: bool = True) -> None:
         """Capture one CUDA graph of the decode step per batch bucket (largest first)."""

@@ -63,6 +63,7 @@ class Scheduler:
     def preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
         self._release(req)
+        req.invalidate_pending()  # a column in flight is recomputed after the resume
         req.status = Status.WAITING
         req.num_computed = 0
         req.preemptions += 1
@@ -119,8 +120,9 @@ class Scheduler:
             elif target == req.num_computed:
                 plan.prefill.append((req, target, target))
 
-        # 3. decode, making room for one more token per sequence
-        decoding = [r for r in self.running if r.status is Status.DECODE]
+        # 3. decode, making room for one more token per sequence (not for one whose last
+        #    frame is already in flight: it only waits for the host to read it)
+        decoding = [r for r in self.running if r.status is Status.DECODE and r.wants_frame()]
         for req in sorted(decoding, key=self._urgency):
             if req not in self.running:
                 continue  # preempted below for an earlier request
@@ -132,6 +134,6 @@ class Scheduler:
                     break
             if req in self.running:
                 self.pool.append_slots(req.request_id, 1)
-        plan.decode = [r for r in self.running if r.status is Status.DECODE]
+        plan.decode = [r for r in self.running if r.status is Status.DECODE and r.wants_frame()]
         plan.prefill = [p for p in plan.prefill if p[0] in self.running]
         return plan
