@@ -39,6 +39,9 @@ class EngineConfig:
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     audio_thread: bool | None = None  # codec on its own thread/stream (default: on CUDA)
+    # keep one decode step in flight: the host reads step N while the device runs step N+1
+    # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
+    overlap_decode: bool | None = None
 
 
 def _fused_sampling(cfg: EngineConfig, model: DualAR) -> bool:
@@ -87,6 +90,8 @@ class Engine:
         self._last_block_count: dict[str, int] = {}
         # the decode step launched last and not yet read: (requests, their decode_gen, handle)
         self._inflight: tuple[list[EngineRequest], list[int], object] | None = None
+        self.overlap_decode = (cfg.overlap_decode if cfg.overlap_decode is not None
+                               else os.environ.get("SHOAL_DECODE_OVERLAP", "1") != "0")
 
     def _auto_blocks(self, max_running: int, max_blocks_per_seq: int) -> int:
         cfg = self.config
@@ -317,6 +322,9 @@ class Engine:
         if self._inflight is not None:
             self._read_columns(*self._inflight, events)
         self._inflight = launched
+        if launched is not None and not self.overlap_decode:
+            self._read_columns(*launched, events)
+            self._inflight = None
         t2 = time.perf_counter()
         if self.audio is not None:
             events.extend(self._audio_events())
