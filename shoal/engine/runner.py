@@ -97,10 +97,16 @@ class ModelRunner:
         self._idx = torch.zeros(cfg.max_slots, dtype=torch.long, device=dev)
 
     # ------------------------------------------------------------------ slot state
+    def _upload(self, a) -> Tensor:
+        """A host array on the device without synchronising: a pageable source is staged by the
+        driver at once, so the host never waits here for queued work (a decode step in flight)."""
+        t = torch.as_tensor(np.ascontiguousarray(a))
+        return t.to(self.device, non_blocking=True)
+
     def assign_slot(self, slot: int, params: SamplingParams, seed: int) -> None:
-        row = BatchSampling.from_params([params], [seed], self.device)
+        row = BatchSampling.from_params([params], [seed], "cpu")
         for name, dst in self.sampling.fields().items():
-            dst[slot: slot + 1].copy_(getattr(row, name))
+            dst[slot: slot + 1].copy_(getattr(row, name), non_blocking=True)
         self.window[slot].fill_(-1)
         self.code_hist[slot].fill_(-1)
 
@@ -120,7 +126,7 @@ class ModelRunner:
 
         ``last_col`` is the next decode input, written at ``position``; ``first`` marks that the
         frame it produces opens a text batch (that frame never enters a repetition window)."""
-        self.last_col[slot].copy_(torch.as_tensor(last_col, dtype=torch.long))
+        self.last_col[slot].copy_(torch.as_tensor(np.array(last_col, dtype=np.int64)), non_blocking=True)
         self.position[slot] = position
         self.frame[slot] = frame
         self.first[slot] = first
@@ -128,12 +134,12 @@ class ModelRunner:
         if window:
             tail = torch.tensor(window[-WINDOW:], dtype=torch.long)
             w[WINDOW - len(tail):] = tail
-        self.window[slot].copy_(w)
+        self.window[slot].copy_(w, non_blocking=True)
         h = torch.full((self.C, WINDOW), -1, dtype=torch.long)
         if code_hist is not None and code_hist.shape[1]:
             tail = torch.as_tensor(code_hist[:, -WINDOW:], dtype=torch.long)
             h[:, WINDOW - tail.shape[1]:] = tail
-        self.code_hist[slot].copy_(h)
+        self.code_hist[slot].copy_(h, non_blocking=True)
 
     # ------------------------------------------------------------------ frame sampling
     def _gather_sampling(self, slots: Tensor) -> BatchSampling:
@@ -199,21 +205,20 @@ class ModelRunner:
         decode step like every other frame."""
         if not chunks:
             return
-        dev = self.device
         bsz = self.cfg.block_size
         xs, poss, slots, segments = [], [], [], []
         off = 0
-        for grid, start, end, blocks in chunks:
-            pos = torch.arange(start, end, device=dev)
-            blk = torch.tensor(blocks, dtype=torch.long, device=dev)
+        for grid, start, end, blocks in chunks:  # index math on the host, one upload each
+            pos = np.arange(start, end, dtype=np.int64)
+            blk = np.asarray(blocks, dtype=np.int64)
             slots.append(blk[pos // bsz] * bsz + pos % bsz)
             poss.append(pos)
-            xs.append(torch.as_tensor(grid[:, start:end], dtype=torch.long, device=dev))
-            segments.append((off, end - start, blk, start, end))
+            xs.append(np.asarray(grid[:, start:end], dtype=np.int64))
+            segments.append((off, end - start, self._upload(blk), start, end))
             off += end - start
-        self.prefill_backend.set(torch.cat(slots), segments)
-        x = torch.cat(xs, dim=1)[None]
-        self.model.forward_slow(x, torch.cat(poss)[None], self.prefill_backend, head=None)
+        self.prefill_backend.set(self._upload(np.concatenate(slots)), segments)
+        x = self._upload(np.concatenate(xs, axis=1))[None]
+        self.model.forward_slow(x, self._upload(np.concatenate(poss))[None], self.prefill_backend, head=None)
 
     # ------------------------------------------------------------------ decode
     def _decode_body(self, B: int) -> None:
