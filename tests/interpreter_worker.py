@@ -42,3 +42,15 @@ def run_worker(test_file: str, timeout: float = 600) -> dict:
     if proc.returncode != 0 or not marker:
         pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return json.loads(marker[-1][len(MARKER):])
+
+
+def assert_case(res: dict, need_any: bool = False) -> None:
+    """Parent side: one case's result passes (no error, every check within its limit, every
+    flag true; ``need_any``: at least one check or flag)."""
+    assert "error" not in res, res.get("error")
+    if need_any:
+        assert res["checks"] or res["flags"]
+    for k, (value, limit) in res["checks"].items():
+        assert value <= limit, (k, value, limit, res)
+    for k, ok in res["flags"].items():
+        assert ok, (k, res)

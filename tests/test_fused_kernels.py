@@ -25,7 +25,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from interpreter_worker import report_cases, run_worker
+from interpreter_worker import assert_case, report_cases, run_worker
 
 from shoal.kernels import fused as fz
 from shoal.model.layers import Attention, Block, FeedForward, RMSNorm, rope_table
@@ -259,13 +259,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", list(INTERP_CASES) + EXTRA_CASES)
 def test_kernel_matches_reference_interpreter(interp_results, name):
-    res = interp_results[name]
-    assert "error" not in res, res.get("error")
-    assert res["checks"] or res["flags"]
-    for k, (value, limit) in res["checks"].items():
-        assert value <= limit, (k, value, limit, res)
-    for k, ok in res["flags"].items():
-        assert ok, (k, res)
+    assert_case(interp_results[name], need_any=True)
 
 
 # --------------------------------------------------------------------------------------

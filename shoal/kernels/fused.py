@@ -430,6 +430,12 @@ if HAS_TRITON:
         return _Wrap(globals()[name])
 
 
+def _rows(t: Tensor, dim: int) -> Tensor:
+    """``t`` as [rows, dim] with unit stride along dim (a view when possible)."""
+    t2 = t.reshape(-1, dim)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def _launch_opts(num_warps: int) -> dict:
     # fp fusion off: torch computes a * c - b * s with rounded products (no FMA).
     return {"num_warps": num_warps, "enable_fp_fusion": False}
@@ -475,15 +481,9 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out_dtype not in _DT_CODE:
         raise ValueError(f"unsupported output dtype {out_dtype}")
-    x2 = x.reshape(-1, dim)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, dim)
     rows = x2.shape[0]
-    r2 = None
-    if residual is not None:
-        r2 = residual.reshape(-1, dim)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+    r2 = None if residual is None else _rows(residual, dim)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
 
     if out is None:
@@ -563,17 +563,11 @@ def add_rmsnorm_quant_triton(x: GemmOut, residual: Tensor | None, weight: Tensor
         x2, split, stride_x, stride_xs = gemm_out_operand(x)
         shape = x.shape
     else:
-        x2 = x.reshape(-1, dim)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows(x, dim)
         split, stride_x, stride_xs, shape = 1, x2.stride(0), 0, tuple(x.shape)
     rows = int(x2.shape[-2])
     device = data.device
-    r2 = None
-    if residual is not None:
-        r2 = residual.reshape(-1, dim)
-        if r2.stride(-1) != 1:
-            r2 = r2.contiguous()
+    r2 = None if residual is None else _rows(residual, dim)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
     if residual is None:
         h = x
