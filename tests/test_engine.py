@@ -302,3 +302,34 @@ def test_warm_prefill_leaves_the_engine_as_it_was(s2, voice):
     done, _ = run(eng)
     assert np.array_equal(done["after"].codes, solo(model, tok, 1, voice, GREEDY, 0, 4))
     assert eng.pool.hit_tokens == 0  # the warm-up prompts left nothing to hit
+
+
+def test_request_larger_than_the_kv_pool_is_rejected_not_queued_forever(s2, voice):
+    """A prompt that could never fit the whole pool is refused at submission (it used to wait
+    at the head of the queue forever, blocking everything behind it); one that fits is capped
+    so it stops before outgrowing the pool."""
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=4, block_size=16))
+    big = session(tok, 1, voice)  # a cloning prompt: longer than 4 x 16 columns
+    assert big.grid().shape[1] >= 64
+    with pytest.raises(ValueError, match="KV cache holds 64"):
+        eng.add_request(EngineRequest(session=big, params=GREEDY, max_new_tokens=10, request_id="big"))
+    small = EngineRequest(session=session(tok, 0, voice), params=GREEDY, max_new_tokens=0, ignore_eos=True,
+                          request_id="small")
+    eng.add_request(small)
+    done, _ = run(eng)
+    assert done["small"].reason == "length"
+    assert small.prompt_len + done["small"].codes.shape[1] <= 64
+    assert eng.pool.num_seqs == 0
+
+
+def test_fused_sampling_only_for_s2_in_bf16_or_fp32():
+    """The sampling kernels implement the S2 rule for bf16 / fp32 logits: an fp16 model (or an
+    S1 model) keeps the PyTorch sampler even when fused sampling is requested."""
+    from shoal.bench.random_model import random_dualar, tiny_config
+    from shoal.engine.engine import _fused_sampling
+
+    want = EngineConfig(fused_sampling=True)
+    assert _fused_sampling(want, random_dualar(tiny_config(256), "cpu", torch.float32))
+    assert not _fused_sampling(want, random_dualar(tiny_config(256), "cpu", torch.float16))
+    assert not _fused_sampling(EngineConfig(), random_dualar(tiny_config(256), "cpu", torch.float32))  # CPU default

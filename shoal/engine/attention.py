@@ -134,6 +134,7 @@ class FastCacheBackend:
         self.position = 0
         self._rows = 0  # batch rows of the current step (fused path)
         self._slot_table: Tensor | None = None  # [length, rows]: row * length + position
+        self._pos_table: Tensor | None = None  # [length, rows]: position
 
     def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """(K cache, V cache, flat slots of this position for rows 0..B-1): the slots are a
@@ -143,6 +144,15 @@ class FastCacheBackend:
             self._slot_table = (torch.arange(rows, device=self.k.device)[None, :] * length
                                 + torch.arange(length, device=self.k.device)[:, None]).contiguous()
         return self.k[layer], self.v[layer], self._slot_table[self.position, : self._rows]
+
+    def fused_positions(self) -> Tensor:
+        """[rows, 1] int64 filled with this call's position: a view into a [length, rows]
+        table owned by this backend and built once at full size, so captured decode graphs
+        keep valid pointers and launch no fill kernel per fast position."""
+        if self._pos_table is None:
+            rows, length = self.k.shape[1], self.k.shape[2]
+            self._pos_table = torch.arange(length, device=self.k.device)[:, None].repeat(1, rows).contiguous()
+        return self._pos_table[self.position, : self._rows, None]
 
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         from ..kernels.fused import fast_decode_attention

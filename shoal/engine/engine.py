@@ -46,11 +46,14 @@ class EngineConfig:
 
 def _fused_sampling(cfg: EngineConfig, model: DualAR) -> bool:
     """The fused S2 sampling kernels: S2 models on CUDA unless configured or SHOAL_FUSED_SAMPLING=0."""
-    if model.config.family != "s2":
-        return False
+    from ..kernels.sampling import HAS_TRITON
+
+    if model.config.family != "s2" or model.dtype not in (torch.bfloat16, torch.float32):
+        return False  # the kernels implement the S2 rule for bf16 / fp32 logits
     if cfg.fused_sampling is not None:
         return cfg.fused_sampling
-    return model.device.type == "cuda" and os.environ.get("SHOAL_FUSED_SAMPLING", "1") != "0"
+    return (HAS_TRITON and model.device.type == "cuda"
+            and os.environ.get("SHOAL_FUSED_SAMPLING", "1") != "0")
 
 
 class Engine:
@@ -159,7 +162,13 @@ class Engine:
             raise ValueError("prompt must have at least 2 tokens")
         if T >= self.max_seq_len:
             raise ValueError(f"prompt has {T} tokens but the context is {self.max_seq_len}")
-        room = self.max_seq_len - T
+        # a sequence larger than the whole KV pool could never be admitted (and would block
+        # the queue behind it): reject it, and stop generation before it outgrows the pool
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if T >= capacity:
+            raise ValueError(f"prompt has {T} tokens but the KV cache holds {capacity} "
+                             "(a shorter prompt, or more free GPU memory for the cache)")
+        room = min(self.max_seq_len, capacity) - T
         req.grid = grid
         req.prompt_len = T
         req.budget = room if not req.max_new_tokens else min(req.max_new_tokens, room)

@@ -68,11 +68,13 @@ def sort_cumulative(logits: Tensor, fp32_sum: bool = False) -> tuple[Tensor, Ten
     """(sorted indices, cumulative untempered probabilities in sorted order): the part of the
     S2 rule that does not depend on the parameters, shareable between draws on one logits row.
 
-    ``fp32_sum`` keeps the running sum in fp32 (each value rounded to the logits dtype), as
-    PyTorch's CPU cumsum does on every device; without it a bf16 cumsum on CUDA rounds the
-    running sum itself at every step (the reference's numerics on its GPU). The engine's
+    ``fp32_sum`` keeps the running sum of bf16 / fp16 probabilities in fp32 (each value rounded
+    to the logits dtype), as PyTorch's CPU cumsum does; without it a bf16 cumsum on CUDA rounds
+    the running sum itself at every step (the reference's numerics on its GPU). The engine's
     sampler uses fp32 sums and a stable sort so that its draws agree on CPU, on GPU and with
-    the fused kernels."""
+    the fused kernels up to the summation order (CUDA scans in a tree, the kernels in rank
+    order, PyTorch's CPU cumsum of fp32 values in double): a cumulative value can round
+    differently only right at the top_p boundary."""
     # the engine's order for equal logits is the stable one (lower index first), as in the kernels
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=fp32_sum)
     probs = torch.softmax(sorted_logits, dim=-1)

@@ -37,6 +37,7 @@ from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 __all__ = ["s2_main_sample", "s2_residual_sample", "fused_sampling_available"]
 
 FLT_MIN = 1.1754943508222875e-38  # q floor: U == 1 gives -log U == 0 (see hash_exponential)
+WALK_MAX = 64  # top_k up to this: rank walk (one reduction per kept rank); above: bisection
 
 
 def fused_sampling_available(t: Tensor) -> bool:
@@ -127,39 +128,66 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _bisect(key, sm, valid, k, p, ROUND: tl.constexpr):
+        """Key of the last kept rank by bisection over the key range: the smallest key t with
+        ``count(key >= t) == 1`` or ``count <= top_k and round(sum of sm over key >= t) <=
+        top_p`` -- the same prefix as the walk, in <= 32 (64) steps whatever top_k is."""
+        hi = tl.max(key, 0)  # rank 0 alone: always kept
+        lo = tl.min(tl.where(valid, key, hi), 0)
+        while lo < hi:
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
+            sel = key >= mid
+            cnt = tl.sum(sel.to(tl.int32), 0)
+            mass = _round_dt(tl.sum(tl.where(sel, sm, 0.0), 0), ROUND)
+            ok = (cnt <= 1) | ((cnt <= k) & (mass <= p))
+            hi = tl.where(ok, mid, hi)
+            lo = tl.where(ok, lo, mid + 1)
+        return hi
+
+    @triton.jit
     def _nucleus(x, key, V, k, p_a, p_b, TWO: tl.constexpr, ROUND: tl.constexpr, ACCURATE: tl.constexpr,
-                 KEY32: tl.constexpr):
-        """The kept sets of the S2 rule without a sort: walk the ranks in order (one max
-        reduction each) while a draw still keeps them -> (key of draw a's last kept rank,
-        the same for draw b). Rank r >= 1 is kept while r < top_k and
-        ``cum_r = round(fp32 sum of round(softmax)_0..r) <= top_p``; kept sets are prefixes."""
+                 KEY32: tl.constexpr, WALK_MAX: tl.constexpr):
+        """The kept sets of the S2 rule without a sort -> (key of draw a's last kept rank, the
+        same for draw b). Rank r >= 1 is kept while r < top_k and
+        ``cum_r = round(fp32 sum of round(softmax)_0..r) <= top_p``; kept sets are prefixes.
+        top_k <= WALK_MAX: walk the ranks in order (one max reduction each) while a draw still
+        keeps them (top_k 30: at most 30 steps, usually a few); larger top_k: bisection."""
         m = tl.max(x, 0)
         S = tl.sum(_exp(x - m, ACCURATE), 0)
         p_a = _round_dt(p_a, ROUND)
         p_b = _round_dt(p_b, ROUND)
         prev = tl.max(key, 0)  # rank 0: always kept
-        cum = _round_dt(tl.math.div_rn(_exp(_key_value(prev, KEY32) - m, ACCURATE), S), ROUND)
         thr_a = prev
         thr_b = prev
-        alive_a = k > 1
-        if TWO:
-            alive_b = k > 1
-        else:
-            alive_b = k < 0
-        r = 1
-        while (alive_a | alive_b) & (r < V):
-            if KEY32:
-                cur = tl.max(tl.where(key < prev, key, -2147483647), 0)
+        if k <= WALK_MAX:
+            cum = _round_dt(tl.math.div_rn(_exp(_key_value(prev, KEY32) - m, ACCURATE), S), ROUND)
+            alive_a = k > 1
+            if TWO:
+                alive_b = k > 1
             else:
-                cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
-            cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
-            c = _round_dt(cum, ROUND)
-            alive_a = alive_a & (r < k) & (c <= p_a)
-            alive_b = alive_b & (r < k) & (c <= p_b)
-            thr_a = tl.where(alive_a, cur, thr_a)
-            thr_b = tl.where(alive_b, cur, thr_b)
-            prev = cur
-            r += 1
+                alive_b = k < 0
+            r = 1
+            while (alive_a | alive_b) & (r < V):
+                if KEY32:
+                    cur = tl.max(tl.where(key < prev, key, -2147483647), 0)
+                else:
+                    cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
+                cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
+                c = _round_dt(cum, ROUND)
+                alive_a = alive_a & (r < k) & (c <= p_a)
+                alive_b = alive_b & (r < k) & (c <= p_b)
+                thr_a = tl.where(alive_a, cur, thr_a)
+                thr_b = tl.where(alive_b, cur, thr_b)
+                prev = cur
+                r += 1
+        else:
+            sm = _round_dt(tl.math.div_rn(_exp(x - m, ACCURATE), tl.zeros_like(x) + S), ROUND)
+            valid = tl.arange(0, x.shape[0]) < V
+            thr_a = _bisect(key, sm, valid, k, p_a, ROUND)
+            if TWO:
+                thr_b = _bisect(key, sm, valid, k, p_b, ROUND)
+            else:
+                thr_b = thr_a
         return thr_a, thr_b
 
     @triton.jit
@@ -194,20 +222,21 @@ if HAS_TRITON:
                         greedy_ptr, ras_temp_ptr, ras_top_p_ptr, ras_window_ptr, seed_ptr,
                         window_ptr, stride_w, allowed_ptr, n_sem, idx_ptr, cols_ptr, stride_c,
                         emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
-                        W: tl.constexpr, DRAWS: tl.constexpr, TMIN: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                        W: tl.constexpr, DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                         ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK, ROUND)
         counter = tl.load(frame_ptr + slot) * DRAWS
         seed = tl.load(seed_ptr + slot)
-        thr_n, thr_h = _nucleus(x, key, A, tl.load(top_k_ptr + slot), tl.load(top_p_ptr + slot),
-                                tl.load(ras_top_p_ptr + slot), True, ROUND, ACCURATE, ROUND)
+        greedy = tl.load(greedy_ptr + slot).to(tl.int32)
+        k = tl.where(greedy != 0, 1, tl.load(top_k_ptr + slot))  # greedy rows: no nucleus walk
+        thr_n, thr_h = _nucleus(x, key, A, k, tl.load(top_p_ptr + slot), tl.load(ras_top_p_ptr + slot), True,
+                                ROUND, ACCURATE, ROUND, WALK_MAX)
         normal = _race(x, offs, key, thr_n, tl.load(temp_ptr + slot), _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
         high = _race(x, offs, key, thr_h, tl.load(ras_temp_ptr + slot), _draw_key(seed, counter + 1), TMIN,
                      ROUND, ACCURATE)
         top1 = _first_argmax(x, offs)
-        greedy = tl.load(greedy_ptr + slot).to(tl.int32)
         wo = tl.arange(0, W)
         win = tl.load(window_ptr + slot * stride_w + wo)
         live = wo >= W - tl.load(ras_window_ptr + slot)
@@ -225,18 +254,19 @@ if HAS_TRITON:
     def _s2_residual_kernel(logits_ptr, stride_l, n, slots_ptr, frame_ptr, temp_ptr, top_p_ptr, top_k_ptr,
                             greedy_ptr, seed_ptr, draw, cols_ptr, stride_c, col,
                             emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
-                            DRAWS: tl.constexpr, TMIN: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
+                            DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                             ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK, ROUND)
         counter = tl.load(frame_ptr + slot) * DRAWS + draw
         top_p = tl.load(top_p_ptr + slot)
-        thr, _ = _nucleus(x, key, n, tl.load(top_k_ptr + slot), top_p, top_p, False, ROUND, ACCURATE, ROUND)
+        greedy = tl.load(greedy_ptr + slot).to(tl.int32)
+        k = tl.where(greedy != 0, 1, tl.load(top_k_ptr + slot))  # greedy rows: no nucleus walk
+        thr, _ = _nucleus(x, key, n, k, top_p, top_p, False, ROUND, ACCURATE, ROUND, WALK_MAX)
         pick = _race(x, offs, key, thr, tl.load(temp_ptr + slot), _draw_key(tl.load(seed_ptr + slot), counter),
                      TMIN, ROUND, ACCURATE)
         top1 = _first_argmax(x, offs)
-        greedy = tl.load(greedy_ptr + slot).to(tl.int32)
         code = tl.where(greedy != 0, top1, pick)
         tl.store(cols_ptr + row * stride_c + col, code.to(tl.int64))
         if EMB:
@@ -299,7 +329,7 @@ def s2_main_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, windo
         allowed_ids, semantic_count, idx_out, cols, cols.stride(0),
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
-        W=W, DRAWS=draws_per_frame, TMIN=_tmin(logits), BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
+        W=W, DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
         BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block))
 
 
@@ -321,5 +351,5 @@ def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, d
         draw, cols, cols.stride(0), col,
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
-        DRAWS=draws_per_frame, TMIN=_tmin(logits), BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
+        DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
         BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block))

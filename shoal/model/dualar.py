@@ -211,16 +211,6 @@ class DualAR(nn.Module):
 
         return add_rmsnorm(x, None, norm.weight, self.config.norm_eps)[0]
 
-    def _fast_positions(self, position: int, rows: int, device: torch.device) -> Tensor:
-        """[rows, 1] int64 filled with ``position``: a view into a cached [C, R] table, so a
-        captured decode step launches no fill kernel per fast position."""
-        table = getattr(self, "_fast_pos_table", None)
-        if table is None or table.shape[1] < rows or table.device != device:
-            n = self.config.num_codebooks
-            table = torch.arange(n, device=device)[:, None].repeat(1, max(rows, 1)).contiguous()
-            self._fast_pos_table = table
-        return table[position, :rows, None]
-
     def _use_fused(self, backend) -> bool:
         return getattr(self, "fused", False) and hasattr(backend, "fused_target")
 
@@ -262,7 +252,9 @@ class DualAR(nn.Module):
         h = x.unsqueeze(1)
         fused = self._use_fused(backend)
         if fused:
-            pos = self._fast_positions(position, h.shape[0], h.device)
+            table = getattr(backend, "fused_positions", None)
+            pos = (table() if table is not None
+                   else torch.full((h.shape[0], 1), position, dtype=torch.long, device=h.device))
             h = self._layers_fused(h, self.fast_layers, pos, self.fast_rope, backend)
         else:
             cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
