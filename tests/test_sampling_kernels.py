@@ -125,16 +125,23 @@ def tiny_small_vocab_config():
     return dataclasses.replace(tiny_config(512), codebook_size=128, semantic_end_id=S2_SEMANTIC_BEGIN + 127)
 
 
-def engine_codes(fused: bool, frames: int = 4):
-    """Two requests (sampled with RAS, greedy) through the engine; the codes of each."""
-    from shoal.bench.random_model import S2_IM_END, S2_SEMANTIC_BEGIN, random_dualar
+def small_engine(fused: bool):
+    from shoal.bench.random_model import S2_IM_END, random_dualar
     from shoal.engine.engine import Engine, EngineConfig
+
+    model = random_dualar(tiny_small_vocab_config(), "cpu", torch.float32, seed=3)
+    return Engine(model, S2_IM_END, config=EngineConfig(max_running=2, num_blocks=32, max_seq_len=512,
+                                                        fused_kernels=False, fused_sampling=fused))
+
+
+def engine_codes(fused: bool, frames: int = 4, check: bool = False):
+    """Two requests (sampled with RAS, greedy) through the engine; the codes of each (and,
+    with ``check``, the verdict of the runner's start-up self-check first)."""
+    from shoal.bench.random_model import S2_SEMANTIC_BEGIN
     from shoal.engine.request import EngineRequest, FinishEvent, GridSession
 
-    cfg = tiny_small_vocab_config()
-    model = random_dualar(cfg, "cpu", torch.float32, seed=3)
-    eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=2, num_blocks=32, max_seq_len=512,
-                                                       fused_kernels=False, fused_sampling=fused))
+    eng = small_engine(fused)
+    verdict = eng.runner.verify_fused_sampling() if check else None
     rng = np.random.default_rng(0)
     out = {}
     for i, params in enumerate([SamplingParams(temperature=1.0, top_p=0.9, top_k=30), SamplingParams(greedy=True)]):
@@ -148,7 +155,7 @@ def engine_codes(fused: bool, frames: int = 4):
         if isinstance(ev, FinishEvent):
             out[ev.request_id] = ev.codes
     assert eng.runner.fused_sampling == fused
-    return out
+    return (out, verdict) if check else out
 
 
 # --------------------------------------------------------------------------------------
@@ -173,7 +180,8 @@ def _case(name):
         flags["torch_in_nucleus"] = torch_code == nucleus
         flags["kernel_in_nucleus"] = kernel_code == nucleus
     elif name == "engine":
-        a, b = engine_codes(True), engine_codes(False)
+        (a, verdict), b = engine_codes(True, check=True), engine_codes(False)
+        flags["self_check_passes"] = verdict is True
         flags["same_requests"] = sorted(a) == sorted(b) == ["r0", "r1"]
         for rid in a:
             flags[f"{rid}_equal"] = bool(np.array_equal(a[rid], b[rid]))
@@ -203,6 +211,20 @@ def test_torch_sampler_never_draws_outside_the_nucleus_when_u_is_one():
     f = torch.tensor([frame])
     code = residual_code(logits, bs, f, 1, "s2", None, hash_exponential(bs.seed, f * DRAWS_PER_FRAME + 2, 128))
     assert int(code) == (j + 1) % 128
+
+
+def test_engine_falls_back_when_the_fused_sampler_cannot_run(caplog):
+    """The start-up self-check keeps the kernels only if they run and agree; here (CPU tensors,
+    compiled Triton) they cannot run, so the engine warns and samples with PyTorch -- the
+    same codes as an engine configured without them."""
+    if ks.triton_interpreting():
+        pytest.skip("the kernels run under the interpreter in this process")
+    eng = small_engine(True)
+    with caplog.at_level("WARNING", logger="shoal.engine"):
+        assert eng.runner.verify_fused_sampling() is False
+    assert not eng.runner.fused_sampling
+    assert "fused sampling disabled" in caplog.text
+    assert eng.runner.verify_fused_sampling() is False  # stays off, no second warning needed
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and ks.HAS_TRITON and not ks.triton_interpreting()),

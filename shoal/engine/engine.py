@@ -84,6 +84,8 @@ class Engine:
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
             max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda,
             fused_sampling=_fused_sampling(cfg, model)))
+        if on_cuda:  # kernels that fail to compile or disagree on this GPU are not used
+            self.runner.verify_fused_sampling()
         self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
         self._audio_pending: dict[str, tuple[EngineRequest, str]] = {}  # finished, audio not yet out
         self.requests: dict[str, EngineRequest] = {}

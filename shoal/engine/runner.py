@@ -12,6 +12,7 @@ and replayed; the only per-step transfers are the slot ids in and the new column
 from __future__ import annotations
 
 import bisect
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -27,6 +28,14 @@ from .sampling import (DRAWS_PER_FRAME, BatchSampling, SamplingParams, residual_
                        s1_main_token, s2_main_token)
 
 WINDOW = 16  # repetition window capacity (S2 RAS uses the last 10, S1 the last 16)
+log = logging.getLogger("shoal.engine")
+
+# settings the start-up self-check of the fused sampler draws with (greedy, the nucleus walk,
+# the bisection above top_k 64, top_p 1.0, RAS fallbacks)
+_CHECK_PARAMS = [SamplingParams(greedy=True), SamplingParams(temperature=0.8, top_p=0.8, top_k=30),
+                 SamplingParams(temperature=1.0, top_p=0.95, top_k=200),
+                 SamplingParams(temperature=1.2, top_p=1.0, top_k=5000),
+                 SamplingParams(temperature=0.7, top_p=0.5, top_k=2)]
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -196,6 +205,48 @@ class ModelRunner:
             s2_residual_sample(fl.contiguous(), slots, self.frame, self.sampling, 1 + k, cols, 1 + k,
                                None if last else emb, None if last else e, draws_per_frame=DRAWS_PER_FRAME)
         return cols, idx
+
+    def verify_fused_sampling(self, rows: int = 8) -> bool:
+        """Start-up self-check of the fused sampler on this device and Triton version: draw
+        with the kernels and with the PyTorch sampler on the same random logits (the model's
+        allowed-logit and residual widths and dtype, a mix of settings incl. RAS windows that
+        force the fallback) and keep the kernels only if they compile, run and agree on every
+        draw; otherwise fall back to the PyTorch sampler with a warning. Returns the verdict."""
+        if not self.fused_sampling:
+            return False
+        try:
+            bad = self._fused_sampling_mismatches(rows)
+            reason = f"{bad} of {3 * rows} draws differ from the PyTorch sampler" if bad else ""
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use the kernels
+            reason = f"{type(e).__name__}: {e}"
+        if reason:
+            self.fused_sampling = False
+            log.warning("fused sampling disabled, using the PyTorch sampler: %s", reason)
+        return self.fused_sampling
+
+    def _fused_sampling_mismatches(self, rows: int) -> int:
+        dev, dt = self.device, self.model.dtype
+        g = torch.Generator(device="cpu").manual_seed(1234)
+        A = self.model.allowed_ids.shape[0]
+        bs = BatchSampling.from_params([_CHECK_PARAMS[i % len(_CHECK_PARAMS)] for i in range(rows)],
+                                       [7919 * i + 1 for i in range(rows)], dev)
+        slots = torch.arange(rows, device=dev)
+        frame = torch.randint(0, 1 << 20, (rows,), generator=g).to(dev)
+        logits = (torch.randn(rows, A, generator=g) * 3).to(dt).to(dev)
+        window = torch.randint(-1, A, (rows, WINDOW), generator=g)
+        window[::2, -4:] = torch.topk(logits.float().cpu()[::2], 4, dim=1).indices  # RAS fallbacks
+        window = window.to(dev)
+        fl = (torch.randn(rows, self.n_res, generator=g) * 3).to(dt).to(dev)
+        cols = torch.zeros(rows, self.C + 1, dtype=torch.long, device=dev)
+        idx = torch.zeros(rows, dtype=torch.long, device=dev)
+        s2_main_sample(logits, slots, frame, bs, window, self.model.allowed_ids, self.n_sem, cols, idx,
+                       draws_per_frame=DRAWS_PER_FRAME)
+        bad = int((idx != s2_main_token(logits, bs, frame, window, self.n_sem)).sum())
+        noise = residual_noise(bs, frame, self.C, self.n_res)
+        for k in (1, self.C - 1):
+            s2_residual_sample(fl, slots, frame, bs, 1 + k, cols, 1 + k, draws_per_frame=DRAWS_PER_FRAME)
+            bad += int((cols[:, 1 + k] != residual_code(fl, bs, frame, k, "s2", None, noise[:, k])).sum())
+        return bad
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, chunks: list[tuple[np.ndarray, int, int, list[int]]]) -> None:
