@@ -138,3 +138,25 @@ def test_serve_quantization_flag_loads_fp8(tiny_s2_checkpoint):
         assert next(svc.tts.codec.parameters()).dtype == torch.bfloat16
     finally:
         svc.close()
+
+
+def test_prefill_chunk_reaches_the_engine_and_is_validated():
+    from shoal.bench.random_tts import random_tts
+    from shoal.server.service import TTSService
+
+    def parse(*argv):
+        p = argparse.ArgumentParser()
+        add_serve_parser(p.add_subparsers(dest="command"))
+        return p.parse_args(["serve", *argv])
+
+    tts = random_tts("tiny", device="cpu")
+    svc = TTSService.from_tts(tts, max_running=2, prefill_chunk=64)
+    try:
+        assert svc.engine.engine.config.prefill_chunk == 64
+        assert svc.engine.engine.scheduler.prefill_chunk == 64
+    finally:
+        svc.close()
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        TTSService.from_tts(tts, max_running=2, prefill_chunk=8)
+    assert parse("--prefill-chunk", "4096").prefill_chunk == 4096
+    assert parse().prefill_chunk == 1024

@@ -51,6 +51,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="in-flight synthesis requests per key; more get 429 + Retry-After (0 = no limit)")
     p.add_argument("--max-running", type=int, default=None, metavar="N",
                    help="engine slots: requests decoded together (default 128 on CUDA, 16 on CPU)")
+    p.add_argument("--prefill-chunk", type=int, default=1024, metavar="N",
+                   help="prompt tokens prefilled per engine step (default 1024; larger cuts first-audio "
+                        "tails under bursts of new requests, smaller keeps running streams smoother; "
+                        "docs/benchmarks.md)")
     p.add_argument("--max-pending", type=int, default=None, metavar="N",
                    help="waiting + running requests before new ones get 503 + Retry-After "
                         "(default 4 x max-running)")
@@ -97,7 +101,8 @@ def _load_checkpoint_service(args: argparse.Namespace):
         checkpoint = default_checkpoint()
     return TTSService.load(checkpoint, device=args.device, dtype=args.dtype,
                            max_running=args.max_running, max_seq_len=args.max_seq_len,
-                           quantization=args.quantization, codec_dtype=args.codec_dtype)
+                           quantization=args.quantization, codec_dtype=args.codec_dtype,
+                           prefill_chunk=args.prefill_chunk)
 
 
 def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
@@ -112,7 +117,8 @@ def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
                      codec_dtype=args.codec_dtype)
     slow, codec = parameter_count(tts)
     service = TTSService.from_tts(tts, max_running=args.max_running, max_seq_len=args.max_seq_len,
-                                  model_name=f"random {args.random_model}", random_weights=True)
+                                  model_name=f"random {args.random_model}", random_weights=True,
+                                  prefill_chunk=args.prefill_chunk)
     log.warning("RANDOM WEIGHTS, BENCHMARK ONLY: %s shapes (DualAR %.2fB parameters %s, codec %.0fM "
                 "parameters) built on %s in %.1f s; the audio is noise; <|im_end|> is ignored and every "
                 "request yields exactly min(max_new_tokens, %s) frames per text batch",
