@@ -9,7 +9,6 @@ callers never block on it.
 from __future__ import annotations
 
 import os
-
 import time
 from dataclasses import dataclass, field
 

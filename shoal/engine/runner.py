@@ -95,6 +95,7 @@ class ModelRunner:
         pin = dev.type == "cuda"
         self.pinned = [torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self.pinned_ids = [torch.zeros(cfg.max_slots, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self._flip = 0
         self.buckets = cfg.graph_buckets or default_buckets(cfg.max_slots)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -329,9 +330,8 @@ class ModelRunner:
                 self._decode_body(B)
             out = self.pinned[buf][:n]
             out.copy_(self.out_cols[:n], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
+        event = self._events[buf]
+        if event is not None:
             event.record()
         return out, event
 

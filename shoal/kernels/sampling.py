@@ -32,33 +32,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .fused import _next_pow2
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
-__all__ = ["s2_main_sample", "s2_residual_sample", "fused_sampling_available"]
+__all__ = ["s2_main_sample", "s2_residual_sample"]
 
-FLT_MIN = 1.1754943508222875e-38  # q floor: U == 1 gives -log U == 0 (see hash_exponential)
 WALK_MAX = 64  # top_k up to this: rank walk (one reduction per kept rank); above: bisection
-
-
-def fused_sampling_available(t: Tensor) -> bool:
-    """Whether the kernels can run for tensors like ``t`` (CUDA, or the Triton interpreter)."""
-    return HAS_TRITON and (t.is_cuda or triton_interpreting())
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
+    from .fp8 import _round_bf16
+
     @triton.jit
     def _round_dt(x, ROUND: tl.constexpr):
         """fp32 -> the nearest bf16 value (round to nearest even) when ROUND, else x."""
         if ROUND:
-            u = x.to(tl.uint32, bitcast=True)
-            u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-            x = tl.where(x != x, x, u.to(tl.float32, bitcast=True))  # noqa: PLR0124
+            x = _round_bf16(x)
         return x
 
     @triton.jit
@@ -95,7 +86,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _race_noise(key, idx, ACCURATE: tl.constexpr):
-        """q = -log U for vocabulary indices ``idx`` (int32), floored at FLT_MIN."""
+        """q = -log U for vocabulary indices ``idx`` (int32), floored at the smallest normal
+        fp32 like :func:`shoal.engine.sampling.hash_exponential` (U == 1 gives -log U == 0)."""
         h = _mix32(key ^ _mix32(idx.to(tl.uint32) * 0x9E37 + 0x7F4A7C15))
         u = ((h >> 8) + 1).to(tl.float32) * (1.0 / 16777216.0)
         return tl.maximum(-_log(u, ACCURATE), 1.1754943508222875e-38)
