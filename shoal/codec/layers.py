@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
+from ..kernels.fused import use_triton
 from ..kernels.snake import snake as snake_op
 from .config import TransformerConfig
 
@@ -215,8 +217,21 @@ class CausalConv1d(StreamingModule):
         self.kernel_size_eff = (kernel_size - 1) * dilation + 1
         self.padding = self.kernel_size_eff - stride
         self.channels_last = False  # set by Codec.configure_serving (decoder only)
+        self.triton_conv = False  # set by Codec.configure_serving (decoder, channels-last only)
+        self._packed: tuple[tuple, Tensor] | None = None
+
+    def packed_weight(self) -> Tensor:
+        """The weight as the Triton conv reads it ([K, C_in, C_out]), repacked when the weight
+        changes (load, dtype or device moves); warm-up fills it before any graph capture."""
+        w = self.conv.weight
+        key = (w.data_ptr(), w.dtype, w.device, w._version)
+        if self._packed is None or self._packed[0] != key:
+            self._packed = (key, pack_conv_weight(w.detach()))
+        return self._packed[1]
 
     def _conv(self, x: Tensor) -> Tensor:
+        if self.triton_conv and self.stride == 1 and self.groups == 1 and use_triton(x):
+            return conv1d_cl_triton(x, self.packed_weight(), self.conv.bias, self.dilation)
         if self.channels_last:
             # conv1d as a channels-last conv2d over [B, C, 1, L] (activations stored [B, L, C])
             y = F.conv2d(x.unsqueeze(2), self.conv.weight.unsqueeze(2), self.conv.bias, (1, self.stride), 0,

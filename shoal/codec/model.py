@@ -340,13 +340,17 @@ class Codec(nn.Module):
         """Codes → decoder input [B, D, 4T] (post_module + upsample); used by streaming."""
         return self.quantizer.decode(self._check_codes(codes), state, rope)
 
-    def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None) -> "Codec":
+    def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
+                          triton_conv: bool | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
         off runs the module-by-module reference structure. ``channels_last``: decoder
         convolutions run as channels-last conv2d over activations stored [B, L, C] (cuDNN
-        often prefers NHWC for tensor cores); needs ``fused``.
+        often prefers NHWC for tensor cores); needs ``fused``. ``triton_conv``: the decoder's
+        stride-1 convolutions run as the Triton implicit-GEMM kernel of
+        :mod:`shoal.kernels.codec_conv` (CUDA or the Triton interpreter; needs ``channels_last``;
+        transposed convs stay on cuDNN).
         """
         if fused is not None:
             self.decoder.fused = bool(fused)
@@ -359,8 +363,14 @@ class Codec(nn.Module):
                     # weights stored channels-last once (no per-call conversion inside cuDNN)
                     w = mod.conv.weight
                     w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
+        if triton_conv is not None:
+            for mod in self.decoder.modules():
+                if isinstance(mod, CausalConv1d):
+                    mod.triton_conv = bool(triton_conv)
         if self.decoder.channels_last and not self.decoder.fused:
             raise ValueError("channels_last needs the fused decoder path")
+        if any(getattr(m, "triton_conv", False) for m in self.decoder.modules()) and not self.decoder.channels_last:
+            raise ValueError("triton_conv needs channels_last")
         return self
 
     @torch.no_grad()

@@ -1,0 +1,248 @@
+"""``python -m shoal.bench.kernels_codec_conv``: the codec decoder's convolutions, kernel by kernel.
+
+For every stride-1 convolution the real-size decoder runs in a streaming call of
+``batch x chunk`` frames (shapes recorded from an actual call), times cuDNN (channels-first
+conv1d, channels-last conv2d) against the Triton implicit-GEMM conv
+(:mod:`shoal.kernels.codec_conv`) over a grid of tile configurations, in CUDA-graph replay;
+then times whole streaming decode calls (graphs) with each conv backend, and breaks the
+baseline call down by kernel family with the PyTorch profiler. Writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .codec import HOP, SR, build_codec, random_codes
+
+CONFIGS = [  # (BT, BN, BC, warps, stages)
+    (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+    (128, 128, 32, 4, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4),
+    (128, 96, 32, 4, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (256, 64, 64, 8, 3),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[codec-conv {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def graph_time_us(fn, iters: int = 20) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / iters
+
+
+def record_shapes(codec, batch: int, frames: int, dev) -> list[dict]:
+    """Every stride-1 conv call (C_in, C_out, K, dilation, L_in) of one streaming decode call."""
+    from ..codec.layers import CausalConv1d
+    from ..codec.streaming import StreamingDecoder
+
+    seen: list[dict] = []
+    orig = CausalConv1d._conv
+
+    def spy(self, x):
+        if self.stride == 1 and self.groups == 1:
+            seen.append({"c_in": x.shape[1], "c_out": self.conv.out_channels, "k": self.conv.kernel_size[0],
+                         "dilation": self.dilation, "l_in": x.shape[-1], "batch": x.shape[0]})
+        return orig(self, x)
+
+    CausalConv1d._conv = spy
+    try:
+        dec = StreamingDecoder(codec)
+        st = dec.new_state(batch)
+        with torch.no_grad():
+            dec.decode_chunk(random_codes(batch, frames, dev), st)
+    finally:
+        CausalConv1d._conv = orig
+    return seen
+
+
+def bench_conv(shape: dict, dtype, configs) -> dict:
+    from ..kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
+
+    B, ci, co, k, d, L = shape["batch"], shape["c_in"], shape["c_out"], shape["k"], shape["dilation"], shape["l_in"]
+    dev = torch.device("cuda")
+    w = torch.randn(co, ci, k, device=dev, dtype=dtype) / (ci * k) ** 0.5
+    b = torch.randn(co, device=dev, dtype=dtype)
+    x_cf = torch.randn(B, ci, L, device=dev, dtype=dtype)
+    x_cl = x_cf.transpose(1, 2).contiguous().transpose(1, 2)
+    w_cl = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    packed = pack_conv_weight(w)
+    L_out = L - (k - 1) * d
+    flops = 2.0 * B * L_out * ci * co * k
+    res = dict(shape, l_out=L_out, gflop=flops / 1e9)
+    ref = F.conv1d(x_cf.float(), w.float(), b.float(), 1, 0, d)
+    res["cudnn_ncl_us"] = graph_time_us(lambda: F.conv1d(x_cf, w, b, 1, 0, d))
+    res["cudnn_nlc_us"] = graph_time_us(lambda: F.conv2d(x_cl.unsqueeze(2), w_cl, b, 1, 0, (1, d)))
+    best = None
+    cells = []
+    for cfg in configs:
+        if cfg[1] > max(16, 1 << (co - 1).bit_length()) * 2:
+            continue
+        try:
+            out = conv1d_cl_triton(x_cl, packed, b, d, config=cfg)
+            err = (out.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
+            us = graph_time_us(lambda: conv1d_cl_triton(x_cl, packed, b, d, config=cfg))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a tile
+            cells.append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+            continue
+        cells.append({"config": cfg, "us": us, "rel_err": err})
+        if best is None or us < best["us"]:
+            best = {"config": cfg, "us": us, "rel_err": err}
+    res["triton"] = cells
+    res["triton_best"] = best
+    for key in ("cudnn_ncl_us", "cudnn_nlc_us"):
+        res[key.replace("_us", "_tflops")] = flops / res[key] / 1e6
+    if best:
+        res["triton_best_tflops"] = flops / best["us"] / 1e6
+    return res
+
+
+def decode_call(codec, batch: int, frames: int, dev, iters: int = 10) -> dict:
+    from ..codec.streaming import GraphedStreamingDecoder
+
+    dec = GraphedStreamingDecoder(codec, batch_buckets=(batch,), chunk_frames=(frames,))
+    codes = random_codes(batch, frames, dev, seed=5)
+    st = dec.new_state(batch)
+    for _ in range(3):
+        dec.decode_chunk(codes, st)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = dec.decode_chunk(codes, st)
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / iters
+    return {"batch": batch, "frames": frames, "call_ms": dt * 1e3,
+            "audio_s_per_s": batch * frames * HOP / SR / dt, "graph_replays": dec.stats.replays,
+            "eager_calls": dec.stats.eager, "finite": bool(torch.isfinite(out).all())}
+
+
+def profile_call(codec, batch: int, frames: int, dev) -> dict:
+    from ..codec.streaming import StreamingDecoder
+
+    dec = StreamingDecoder(codec)
+    codes = random_codes(batch, frames, dev, seed=5)
+    st = dec.new_state(batch)
+    with torch.no_grad():
+        dec.decode_chunk(codes, st)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            dec.decode_chunk(codes, st)
+            torch.cuda.synchronize()
+    fam: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        if t <= 0:
+            continue
+        n = e.key.lower()
+        if "conv_kernel" in n:
+            k = "triton_conv"
+        elif "snake" in n:
+            k = "snake"
+        elif "conv" in n or "cudnn" in n or "xmma" in n or "implicit" in n or "sm90" in n or "gemm" in n:
+            k = "cudnn/cublas"
+        else:
+            k = "other"
+        fam[k] = fam.get(k, 0.0) + t / 1e3
+    top = sorted(((e.key[:90], (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total) / 1e3)
+                  for e in prof.key_averages()), key=lambda kv: -kv[1])[:25]
+    return {"batch": batch, "frames": frames, "families_ms": fam, "top_kernels_ms": top}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default="codec-conv.json")
+    p.add_argument("--points", default="64x32,64x8,1x8", help="batch x chunk frames")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--skip", default="", help="comma list: convs,decode,profile")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    torch.backends.cudnn.benchmark = True
+    skip = set(args.skip.split(","))
+    points = [tuple(int(v) for v in s.split("x")) for s in args.points.split(",")]
+    codec = build_codec(False, dev).to(dtype)
+    out: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+                 "convs": [], "decode": [], "profile": []}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    path = Path(args.out)
+
+    def save():
+        path.write_text(json.dumps(out, indent=1, default=str))
+
+    if "convs" not in skip:
+        for B, T in points:
+            shapes = record_shapes(codec, B, T, dev)
+            uniq = {}
+            for s in shapes:
+                uniq.setdefault(tuple(sorted(s.items())), [s, 0])[1] += 1
+            for s, count in uniq.values():
+                r = bench_conv(s, dtype, CONFIGS)
+                r["count_per_call"] = count
+                out["convs"].append(r)
+                best = r.get("triton_best") or {}
+                log(f"B={B} T={T} {s['c_in']}->{s['c_out']} k{s['k']} d{s['dilation']} L={s['l_in']} x{count}: "
+                    f"cudnn ncl {r['cudnn_ncl_us']:.1f} nlc {r['cudnn_nlc_us']:.1f} triton {best.get('us', float('nan')):.1f} us "
+                    f"{best.get('config')} ({r.get('triton_best_tflops', 0):.0f} TFLOP/s, err {best.get('rel_err', 0):.1e})")
+                save()
+    if "decode" not in skip:
+        for B, T in points:
+            for name, kw in (("cudnn_ncl", {"channels_last": False, "triton_conv": False}),
+                             ("cudnn_nlc", {"channels_last": True, "triton_conv": False}),
+                             ("triton", {"channels_last": True, "triton_conv": True})):
+                codec.configure_serving(**kw)
+                try:
+                    r = decode_call(codec, B, T, dev)
+                except Exception as e:  # noqa: BLE001
+                    r = {"batch": B, "frames": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                r["backend"] = name
+                out["decode"].append(r)
+                log(f"decode {name} B={B} T={T}: {r.get('call_ms', float('nan')):.2f} ms "
+                    f"{r.get('audio_s_per_s', 0):.0f} audio s/s")
+                save()
+                torch.cuda.empty_cache()
+    if "profile" not in skip:
+        for name, kw in (("cudnn_ncl", {"channels_last": False, "triton_conv": False}),
+                         ("triton", {"channels_last": True, "triton_conv": True})):
+            codec.configure_serving(**kw)
+            B, T = points[0]
+            r = profile_call(codec, B, T, dev)
+            r["backend"] = name
+            out["profile"].append(r)
+            log(f"profile {name} B={B} T={T}: {r['families_ms']}")
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

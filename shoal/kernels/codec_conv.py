@@ -1,0 +1,207 @@
+"""Causal 1-D convolution of the codec decoder as an implicit GEMM (Triton, channels-last).
+
+The codec decoder's cost is its stride-1 convolutions (the dilated k=7 and the k=1 convs of
+the residual units, ~85% of its FLOPs). cuDNN runs these 1-D shapes (96-768 channels, up to
+hundreds of thousands of samples per call) at a small fraction of the H200's tensor-core
+rate. Written as a GEMM they are plain: with activations stored channels-last
+(``[B, L, C]``), output row ``t`` of a conv with kernel ``K`` and dilation ``d`` is
+
+    out[b, t, :] = bias + sum_k  x[b, t + k*d, :] @ Wk,      Wk = weight[:, :, k]^T  [C_in, C_out]
+
+where ``x`` is the conv's input buffer *including* its left context (the carried stream
+state, or zeros one-shot), so ``L_out = L_in - (K-1)*d``. :func:`conv1d_cl` computes a tile
+of ``BT`` output rows x ``BN`` output channels per program: for each tap and each ``BC``-wide
+slice of input channels it loads a shifted ``[BT, BC]`` slab of ``x`` and the matching
+``[BC, BN]`` slice of the packed weight ``[K, C_in, C_out]`` and accumulates with ``tl.dot``
+in fp32 (IEEE fp32 products for fp32 inputs, never TF32). The bias is added to the fp32
+accumulator and the result is rounded once to the storage dtype, as cuDNN does.
+
+Optional fused epilogue (``residual``): ``out = residual + (acc + bias)`` rounded like
+PyTorch's ``residual + conv(x)`` (the conv result is rounded first, then the sum).
+
+Dispatch as in :mod:`shoal.kernels.fused`: the kernel runs on CUDA tensors (or anywhere under
+``TRITON_INTERPRET=1``); :func:`conv1d_cl_ref` is the PyTorch reference (``F.conv1d``).
+Launches depend only on shapes, so they can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .fused import _DT_CODE, _check_dtype, _next_pow2, _require_kernel, use_triton
+from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+
+__all__ = ["conv1d_cl", "conv1d_cl_ref", "conv1d_cl_triton", "pack_conv_weight", "conv_config",
+           "codec_conv_enabled"]
+
+
+def codec_conv_enabled() -> bool:
+    """The Triton codec convs are used unless ``SHOAL_CODEC_TRITON_CONV=0``."""
+    return HAS_TRITON and os.environ.get("SHOAL_CODEC_TRITON_CONV", "1") != "0"
+
+
+def pack_conv_weight(weight: Tensor) -> Tensor:
+    """``[C_out, C_in, K]`` (nn.Conv1d) -> ``[K, C_in, C_out]`` contiguous (what the kernel reads)."""
+    if weight.dim() != 3:
+        raise ValueError(f"conv weight must be [C_out, C_in, K], got shape {tuple(weight.shape)}")
+    return weight.permute(2, 1, 0).contiguous()
+
+
+def conv1d_cl_ref(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int = 1,
+                  residual: Tensor | None = None) -> Tensor:
+    """PyTorch reference: ``[residual +] conv1d(x, weight, bias, dilation=dilation)`` (no padding)."""
+    y = F.conv1d(x, weight, bias, 1, 0, dilation)
+    return y if residual is None else residual + y
+
+
+# (BT, BN, BC, num_warps, num_stages) by (C_in, C_out); measured on an H200 (docs/benchmarks.md)
+_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+
+
+def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int, int]:
+    """Tile sizes for a conv; an env override ``SHOAL_CODEC_CONV_CFG=BT,BN,BC,warps,stages``
+    exists for tuning sweeps."""
+    env = os.environ.get("SHOAL_CODEC_CONV_CFG")
+    if env:
+        bt, bn, bc, w, s = (int(v) for v in env.split(","))
+        return bt, bn, bc, w, s
+    cfg = _CONFIGS.get((c_in, c_out))
+    if cfg is not None:
+        return cfg
+    bn = min(128, max(16, _next_pow2(c_out)))
+    bc = min(64, max(16, _next_pow2(c_in)))
+    bt = 128 if length >= 128 else max(16, _next_pow2(length))
+    return bt, bn, bc, 4, 3
+
+
+if HAS_TRITON:
+    from .fused import _round  # noqa: F401 - called by name from the kernel
+
+    def _conv_kernel(
+        x_ptr, w_ptr, b_ptr, r_ptr, o_ptr,
+        L_out, C_in, C_out, n_tb, n_nb,
+        sxb, sxc, sxl, srb, src, srl, sob, soc, sol,
+        K: tl.constexpr,
+        DIL: tl.constexpr,
+        HAS_B: tl.constexpr,
+        HAS_R: tl.constexpr,
+        BT: tl.constexpr,
+        BN: tl.constexpr,
+        BC: tl.constexpr,
+        DT: tl.constexpr,
+        IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)  # one flat axis; output-channel tiles fastest
+        nb = pid % n_nb
+        rest = pid // n_nb
+        tb = rest % n_tb
+        b = rest // n_tb
+        t = tb * BT + tl.arange(0, BT)
+        n = (nb * BN + tl.arange(0, BN)).to(tl.int32)
+        tm = t < L_out
+        nm = n < C_out
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        xb = x_ptr + b * sxb
+        for k in tl.static_range(K):
+            rows = (t + k * DIL)[:, None] * sxl
+            for c0 in range(0, C_in, BC):
+                c = c0 + tl.arange(0, BC)
+                cm = c < C_in
+                a = tl.load(xb + rows + c[None, :].to(tl.int64) * sxc, mask=tm[:, None] & cm[None, :], other=0.0)
+                w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
+                            mask=cm[:, None] & nm[None, :], other=0.0)
+                if UPCAST:  # the interpreter's bf16 tl.dot is wrong (triton 3.9); products are exact in fp32
+                    a = a.to(tl.float32)
+                    w = w.to(tl.float32)
+                if IEEE or UPCAST:
+                    acc = tl.dot(a, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+        if HAS_B:
+            acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        m = tm[:, None] & nm[None, :]
+        if HAS_R:
+            acc = _round(acc, DT)
+            r = tl.load(r_ptr + b * srb + n[None, :].to(tl.int64) * src + t[:, None] * srl, mask=m, other=0.0)
+            acc = acc + r.to(tl.float32)
+        tl.store(o_ptr + b * sob + n[None, :].to(tl.int64) * soc + t[:, None] * sol,
+                 acc.to(o_ptr.dtype.element_ty), mask=m)
+
+    if triton_interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as _Wrap
+    else:
+        from triton.runtime.jit import JITFunction as _Wrap
+
+    @functools.cache
+    def _kernel():
+        return _Wrap(_conv_kernel)
+
+
+def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
+    return torch.empty(B, L, C, device=like.device, dtype=like.dtype).transpose(1, 2)
+
+
+def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: int = 1, *,
+                     residual: Tensor | None = None, out: Tensor | None = None,
+                     config: tuple[int, int, int, int, int] | None = None) -> Tensor:
+    """Kernel version of :func:`conv1d_cl_ref` with the weight packed by :func:`pack_conv_weight`.
+
+    ``x`` is ``[B, C_in, L_in]`` with any strides (channels-last memory, ``stride(1) == 1``,
+    is what makes the loads coalesced); the result is ``[B, C_out, L_out]`` in channels-last
+    memory (or written into ``out``, any strides)."""
+    interpret = _require_kernel(x)
+    _check_dtype("x", x)
+    if x.dim() != 3 or packed.dim() != 3:
+        raise ValueError("x must be [B, C_in, L] and the packed weight [K, C_in, C_out]")
+    K, C_in, C_out = packed.shape
+    B, C, L_in = x.shape
+    if C != C_in:
+        raise ValueError(f"x has {C} channels, the conv expects {C_in}")
+    if packed.dtype != x.dtype or not packed.is_contiguous():
+        raise ValueError("the packed weight must be contiguous and in x's dtype")
+    L_out = L_in - (K - 1) * dilation
+    if L_out < 0:
+        raise ValueError(f"input of {L_in} samples is shorter than the receptive field")
+    if out is None:
+        out = _channels_last_empty(B, C_out, L_out, x)
+    elif tuple(out.shape) != (B, C_out, L_out) or out.dtype != x.dtype:
+        raise ValueError(f"out must be {(B, C_out, L_out)} {x.dtype}")
+    if residual is not None and (tuple(residual.shape) != (B, C_out, L_out) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(B, C_out, L_out)} {x.dtype}")
+    if out.numel() == 0:
+        return out
+    bt, bn, bc, warps, stages = config or conv_config(C_in, C_out, L_out)
+    n_tb = triton.cdiv(L_out, bt)
+    n_nb = triton.cdiv(C_out, bn)
+    r = residual if residual is not None else out
+    opts = {"num_warps": warps}
+    if not interpret:
+        opts["num_stages"] = stages
+    _kernel()[(B * n_tb * n_nb,)](
+        x, packed, bias if bias is not None else packed, r, out,
+        L_out, C_in, C_out, n_tb, n_nb,
+        *x.stride(), *r.stride(), *out.stride(),
+        K=K, DIL=dilation,
+        HAS_B=bias is not None, HAS_R=residual is not None,
+        BT=bt, BN=bn, BC=bc,
+        DT=_DT_CODE[x.dtype],
+        IEEE=x.dtype == torch.float32,
+        UPCAST=interpret and x.dtype != torch.float32,
+        **opts,
+    )
+    return out
+
+
+def conv1d_cl(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None, dilation: int = 1, *,
+              residual: Tensor | None = None) -> Tensor:
+    """``[residual +] conv1d(x, weight, bias, dilation)``: the Triton kernel when it applies
+    (CUDA or the interpreter, ``packed`` given), else PyTorch."""
+    if packed is not None and use_triton(x):
+        return conv1d_cl_triton(x, packed, bias, dilation, residual=residual)
+    return conv1d_cl_ref(x, weight, bias, dilation, residual)

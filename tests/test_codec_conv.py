@@ -1,0 +1,186 @@
+"""The codec decoder's Triton implicit-GEMM convolution (shoal/kernels/codec_conv.py).
+
+Interpreter cases run in a subprocess (this file as a script with ``TRITON_INTERPRET=1``, see
+tests/interpreter_worker.py): the kernel against ``F.conv1d`` over kernel sizes, dilations,
+channel counts that are not multiples of the tiles, strided input views, the residual
+epilogue, fp32 and bf16; and the tiny golden codec decoded with the kernel (one-shot equals
+the golden waveform, streaming equals one-shot). GPU tests skip without CUDA.
+"""
+
+import os
+
+if __name__ == "__main__":  # interpreter worker: must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter_worker import assert_case, report_cases, run_worker
+
+from shoal.kernels import codec_conv as cc
+
+GOLDEN = Path(__file__).resolve().parents[1].parent / "shared" / "golden"
+TINY = GOLDEN / "codec_tiny"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (B, C_in, C_out, K, dilation, L_out, residual, strided input view)
+SHAPES = {
+    "k7_d1": (2, 24, 40, 7, 1, 50, False, False),
+    "k7_d3_res": (2, 40, 24, 7, 3, 37, True, False),
+    "k7_d9_view": (1, 16, 16, 7, 9, 130, False, True),
+    "k1_res": (3, 33, 33, 1, 1, 70, True, False),
+    "k1_short": (2, 8, 70, 1, 1, 5, False, True),
+}
+INTERP_CASES = [f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES] + ["golden_decode_fp32"]
+
+
+def conv_inputs(name: str, dt: torch.dtype):
+    B, ci, co, k, d, L_out, res, view = SHAPES[name]
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    L_in = L_out + (k - 1) * d
+    pad = 5 if view else 0  # a view inside a longer channels-last buffer (a carried context)
+    buf = torch.randn(B, L_in + pad, ci, generator=g).to(dt).transpose(1, 2)
+    x = buf[..., pad:]
+    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(dt)
+    b = torch.randn(co, generator=g).to(dt)
+    r = torch.randn(B, co, L_out, generator=g).to(dt) if res else None
+    return x, w, b, d, r
+
+
+def _conv_case(dt_name: str, shape: str) -> dict:
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
+    x, w, b, d, r = conv_inputs(shape, dt)
+    out = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w), b, d, residual=r)
+    ref = F.conv1d(x.float(), w.float(), b.float(), 1, 0, d)
+    checks, flags = {}, {}
+    if dt == torch.float32:
+        if r is not None:
+            ref = r + ref
+        checks["rel_err"] = ((out - ref).abs().max().item() / ref.abs().max().item(), 1e-5)
+    else:
+        # one rounding of the fp32 result (two with the residual: conv, then the sum)
+        conv16 = ref.to(dt)
+        expect = conv16 if r is None else (r.float() + conv16.float()).to(dt)
+        tol = 2 * torch.finfo(dt).eps * expect.float().abs().max().item()
+        checks["abs_err"] = ((out.float() - expect.float()).abs().max().item(), tol)
+    flags["channels_last_out"] = out.stride(1) == 1 or out.shape[1] == 1
+    flags["shape"] = tuple(out.shape) == tuple(ref.shape)
+    flags["dispatch"] = cc.use_triton(x)
+    return {"checks": checks, "flags": flags}
+
+
+def _golden_decode_case() -> dict:
+    from safetensors.torch import load_file
+
+    from shoal.codec import CodecConfig, StreamingDecoder, load_codec
+
+    golden = load_file(str(TINY / "outputs" / "codec_golden_fp32.safetensors"))
+    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    codes = golden["decode_encoded.input_codes"][None][..., :8]  # causal: a prefix decodes to a prefix
+    wave = golden["decode_encoded.waveform"].flatten()
+    ref = codec.decode(codes)  # the module path: F.conv1d channels-first
+    codec.configure_serving(channels_last=True, triton_conv=True)
+    out = codec.decode(codes)
+    dec = StreamingDecoder(codec)
+    st = dec.new_state(1)
+    outs, i = [], 0
+    for t in (3, 1, 4):
+        outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
+        i += t
+    streamed = torch.cat(outs, -1)
+    checks = {"oneshot_vs_golden": ((out.flatten() - wave[: out.numel()]).abs().max().item(), 1e-5),
+              "oneshot_vs_ref": ((out - ref).abs().max().item(), 1e-5),
+              "stream_vs_ref": ((streamed - ref[..., : streamed.shape[-1]]).abs().max().item(), 1e-4)}
+    return {"checks": checks, "flags": {"used_kernel": _kernel_used(codec)}}
+
+
+def _kernel_used(codec) -> bool:
+    from shoal.codec.layers import CausalConv1d
+
+    return any(m._packed is not None for m in codec.decoder.modules() if isinstance(m, CausalConv1d))
+
+
+def _interp_case(name: str) -> dict:
+    if name == "golden_decode_fp32":
+        return _golden_decode_case()
+    dt_name, shape = name.split("_", 1)
+    return _conv_case(dt_name, shape)
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    if not cc.HAS_TRITON:
+        pytest.skip("triton not installed")
+    return run_worker(__file__)
+
+
+@pytest.mark.parametrize("name", INTERP_CASES)
+def test_codec_conv_interpreter(interp_results, name):
+    if name == "golden_decode_fp32" and not (TINY / "codec.pth").is_file():
+        pytest.skip("golden vectors not available")
+    assert_case(interp_results[name], need_any=True)
+
+
+# --------------------------------------------------------------------------------------
+# Reference, validation, configuration
+# --------------------------------------------------------------------------------------
+
+
+def test_reference_is_conv1d_plus_residual():
+    x, w, b, d, r = conv_inputs("k7_d3_res", torch.float32)
+    assert torch.equal(cc.conv1d_cl_ref(x, w, b, d, r), r + F.conv1d(x, w, b, 1, 0, d))
+
+
+def test_pack_layout():
+    w = torch.randn(5, 3, 7)
+    p = cc.pack_conv_weight(w)
+    assert p.shape == (7, 3, 5) and p.is_contiguous()
+    assert torch.equal(p[2, 1], w[:, 1, 2])
+    with pytest.raises(ValueError):
+        cc.pack_conv_weight(torch.randn(5, 3))
+
+
+def test_triton_conv_needs_channels_last():
+    from shoal.codec import CodecConfig, load_codec
+
+    if not (TINY / "codec.pth").is_file():
+        pytest.skip("golden vectors not available")
+    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cpu")
+    with pytest.raises(ValueError, match="channels_last"):
+        codec.configure_serving(channels_last=False, triton_conv=True)
+
+
+def test_config_env_override(monkeypatch):
+    monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2")
+    assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2)
+    monkeypatch.delenv("SHOAL_CODEC_CONV_CFG")
+    bt, bn, bc, _, _ = cc.conv_config(96, 96, 10)
+    assert bt == 16 and bn == 128 and bc == 64
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 96, 96, 7, 9, 4096), (4, 768, 768, 7, 3, 300), (8, 384, 384, 1, 1, 2049)])
+def test_gpu_conv_matches_reference(dtype, shape):
+    B, ci, co, k, d, L_out = shape
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, L_out + (k - 1) * d, ci, generator=g).to(dtype).cuda().transpose(1, 2)
+    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(dtype).cuda()
+    b = torch.randn(co, generator=g).to(dtype).cuda()
+    r = torch.randn(B, co, L_out, generator=g).to(dtype).cuda()
+    out = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w), b, d, residual=r)
+    ref = r.double() + F.conv1d(x.double(), w.double(), b.double(), 1, 0, d)
+    tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= tol
+
+
+if __name__ == "__main__":
+    report_cases(INTERP_CASES, _interp_case)
