@@ -157,8 +157,8 @@ def test_config_env_override(monkeypatch):
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2")
     assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2)
     monkeypatch.delenv("SHOAL_CODEC_CONV_CFG")
-    bt, bn, bc, _, _ = cc.conv_config(96, 96, 10)
-    assert bt == 16 and bn == 128 and bc == 64
+    bt, bn, bc, _, _ = cc.conv_config(40, 24, 10)
+    assert bt == 16 and bn == 32 and bc == 64
 
 
 # --------------------------------------------------------------------------------------
@@ -180,6 +180,37 @@ def test_gpu_conv_matches_reference(dtype, shape):
     ref = r.double() + F.conv1d(x.double(), w.double(), b.double(), 1, 0, d)
     tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= tol
+
+
+@gpu
+@pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_triton_decoder_matches_cudnn_decoder(dtype):
+    from shoal.codec import CodecConfig, StreamingDecoder, load_codec
+
+    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cuda", dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    codes = torch.cat([torch.randint(0, 4096, (3, 1, 40), generator=g),
+                       torch.randint(0, 1024, (3, 9, 40), generator=g)], 1).cuda()
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref = codec.decode(codes).float()
+        codec.configure_serving(channels_last=True, triton_conv=True)
+        out = codec.decode(codes).float()
+        dec = StreamingDecoder(codec)
+        st = dec.new_state(3)
+        outs, i = [], 0
+        for t in (4, 8, 4, 8, 16):
+            outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
+            i += t
+        streamed = torch.cat(outs, -1).float()
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+        codec.configure_serving(channels_last=False, triton_conv=False)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    assert (out - ref).abs().max().item() <= tol
+    assert (streamed - out).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
 
 
 if __name__ == "__main__":

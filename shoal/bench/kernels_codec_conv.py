@@ -21,6 +21,10 @@ import torch.nn.functional as F
 
 from .codec import HOP, SR, build_codec, random_codes
 
+BACKENDS = {"cudnn_ncl": {"channels_last": False, "triton_conv": False},
+            "cudnn_nlc": {"channels_last": True, "triton_conv": False},
+            "triton": {"channels_last": True, "triton_conv": True}}
+
 CONFIGS = [  # (BT, BN, BC, warps, stages)
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (128, 128, 32, 4, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4),
@@ -176,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--points", default="64x32,64x8,1x8", help="batch x chunk frames")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--skip", default="", help="comma list: convs,decode,profile")
+    p.add_argument("--backends", default="cudnn_ncl,cudnn_nlc,triton")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -216,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                 save()
     if "decode" not in skip:
         for B, T in points:
-            for name, kw in (("cudnn_ncl", {"channels_last": False, "triton_conv": False}),
-                             ("cudnn_nlc", {"channels_last": True, "triton_conv": False}),
-                             ("triton", {"channels_last": True, "triton_conv": True})):
+            for name, kw in BACKENDS.items():
+                if name not in args.backends.split(","):
+                    continue
                 codec.configure_serving(**kw)
                 try:
                     r = decode_call(codec, B, T, dev)

@@ -314,6 +314,49 @@ class CausalConvTranspose1d(StreamingModule):
         if self.trim < 0:
             raise ValueError("transposed conv kernel must be >= stride")
         self.channels_last = False  # set by Codec.configure_serving (decoder only)
+        # Codec.configure_serving(triton_conv=True): run as a 2-tap implicit GEMM (needs
+        # kernel_size == 2 * stride); the carried state is then the last input sample [B, C_in, 1]
+        self.triton_conv = False
+        self._packed: tuple[tuple, Tensor] | None = None
+
+    @property
+    def as_gemm(self) -> bool:
+        return self.triton_conv and self.kernel_size == 2 * self.stride
+
+    def packed_weight(self) -> Tensor:
+        """[2, C_in, stride * C_out]: tap 0 multiplies input sample i-1, tap 1 sample i; column
+        r * C_out + n is output channel n of output sample stride * i + r."""
+        w = self.conv.weight  # [C_in, C_out, k]
+        key = (w.data_ptr(), w.dtype, w.device, w._version)
+        if self._packed is None or self._packed[0] != key:
+            s = self.stride
+            wd = w.detach()
+            taps = [wd[:, :, s: 2 * s], wd[:, :, :s]]
+            packed = torch.stack([t.permute(0, 2, 1).reshape(wd.shape[0], s * wd.shape[1]) for t in taps])
+            self._packed = (key, packed.contiguous())
+        return self._packed[1]
+
+    # the GEMM form's input buffer: [B, C_in, 1 + L] = [previous input sample | new input]
+    def input_buffer(self, like: Tensor, length: int) -> Tensor:
+        B = like.shape[0]
+        return torch.empty(B, 1 + length, self.conv.in_channels, device=like.device, dtype=like.dtype).transpose(1, 2)
+
+    def fill_context(self, buf: Tensor, state: StreamState | None) -> None:
+        if state is None:
+            buf[..., :1].zero_()
+        else:
+            buf[..., :1].copy_(state[self.state_key])
+
+    def save_context(self, buf: Tensor, state: StreamState | None) -> None:
+        if state is not None:
+            state[self.state_key].copy_(buf[..., buf.shape[-1] - 1:])
+
+    def gemm_forward(self, buf: Tensor) -> Tensor:
+        """The causal output without bias, [B, C_out, stride * L] (channels-last memory), from a
+        buffer filled as :meth:`input_buffer` describes."""
+        B, L = buf.shape[0], buf.shape[-1] - 1
+        y = conv1d_cl_triton(buf, self.packed_weight(), None, 1)  # [B, s*C_out, L], memory [B, L, s*C_out]
+        return y.transpose(1, 2).reshape(B, L * self.stride, self.conv.out_channels).transpose(1, 2)
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if state is None:
@@ -328,6 +371,12 @@ class CausalConvTranspose1d(StreamingModule):
         """The causal output without the bias (a view [B, C_out, stride·L]); the caller adds
         ``conv.bias`` (the fused decoder does it inside the next Snake). Streaming adds the
         carried overlap tail and saves the new one in place."""
+        if self.as_gemm and use_triton(x):
+            buf = self.input_buffer(x, x.shape[-1])
+            self.fill_context(buf, state)
+            buf[..., 1:].copy_(x)
+            self.save_context(buf, state)
+            return self.gemm_forward(buf)
         n = x.shape[-1] * self.stride
         if self.channels_last:
             y = F.conv_transpose2d(x.unsqueeze(2), self.conv.weight.unsqueeze(2), None, (1, self.stride)).squeeze(2)
@@ -339,6 +388,8 @@ class CausalConvTranspose1d(StreamingModule):
         return y[..., :n]
 
     def init_stream_state(self, batch_size, device, dtype):
+        if self.as_gemm:
+            return {self.state_key: torch.zeros(batch_size, self.conv.in_channels, 1, device=device, dtype=dtype)}
         if self.trim == 0:
             return {}
         return {self.state_key: torch.zeros(batch_size, self.conv.out_channels, self.trim, device=device, dtype=dtype)}

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import CodecConfig, QuantizerConfig
+from ..kernels.codec_conv import conv1d_cl_triton
+from ..kernels.fused import use_triton
 from ..kernels.snake import snake as snake_op
 from .layers import (
     CausalConv1d,
@@ -89,8 +91,14 @@ class Decoder(StreamingModule):
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if self.fused:
+            if self.triton_conv and use_triton(x):
+                return self._forward_triton(x, state)
             return self._forward_fused(x, state)
         return self.model(x, state)
+
+    @property
+    def triton_conv(self) -> bool:
+        return bool(self.model[0].triton_conv)
 
     def _act(self, x: Tensor) -> Tensor:
         """Uninitialized tensor shaped like x in the decoder's activation layout."""
@@ -98,6 +106,66 @@ class Decoder(StreamingModule):
         if self.channels_last:
             return torch.empty(B, L, C, device=x.device, dtype=x.dtype).transpose(1, 2)
         return torch.empty(B, C, L, device=x.device, dtype=x.dtype)
+
+    def _forward_triton(self, x: Tensor, state: StreamState | None) -> Tensor:
+        """``_forward_fused`` with every convolution a Triton implicit GEMM (channels-last) and
+        each Snake computed in the epilogue of the conv before it:
+
+        * a transposed conv is a 2-tap GEMM over [previous input sample | new input];
+        * a unit's k7 conv writes ``Snake(conv)`` (the input of its k1 conv) and nothing else;
+        * a unit's k1 conv adds the residual and writes the new residual stream ``h`` (when a
+          unit follows) and ``Snake(h)`` straight into the next conv's input buffer after its
+          carried left context.
+
+        Each activation is written once and read once per conv; rounding is that of the
+        separate kernels (see docs/codec.md).
+        """
+        m = self.model
+        if x.shape[1] > 1:
+            x = x.transpose(1, 2).contiguous().transpose(1, 2)
+        h = m[0](x, state)
+        blocks = list(m[1:-3])
+        final_sn, final_conv = m[-3], m[-2]
+        first_ct = blocks[0].block[1]
+        buf = first_ct.input_buffer(h, h.shape[-1])
+        first_ct.fill_context(buf, state)
+        snake_op(h, blocks[0].block[0].alpha, out=buf[..., 1:])
+        for bi, blk in enumerate(blocks):
+            ct, units = blk.block[1], [u.block for u in list(blk.block)[2:]]
+            ct.save_context(buf, state)
+            y = ct.gemm_forward(buf)
+            c7 = units[0][1]
+            cbuf = c7._buffer(y, c7.padding + y.shape[-1])
+            c7._with_context(cbuf, state)
+            h = self._act(y)
+            snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
+            for j, (_, conv7, snake2, conv1) in enumerate(units):
+                conv7._save_context(cbuf, state)
+                s2 = self._act(h)
+                conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
+                                 snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
+                if j + 1 < len(units):
+                    nxt, alpha = units[j + 1][1], units[j + 1][0].alpha
+                    nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
+                    nxt._with_context(nbuf, state)
+                    body = nbuf[..., nxt.padding:]
+                    h_new = self._act(h)
+                elif bi + 1 < len(blocks):
+                    nxt, alpha = blocks[bi + 1].block[1], blocks[bi + 1].block[0].alpha
+                    nbuf = nxt.input_buffer(h, h.shape[-1])
+                    nxt.fill_context(nbuf, state)
+                    body, h_new = nbuf[..., 1:], None
+                else:
+                    nxt, alpha = final_conv, final_sn.alpha
+                    nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
+                    nxt._with_context(nbuf, state)
+                    body, h_new = nbuf[..., nxt.padding:], None
+                conv1d_cl_triton(s2, conv1.packed_weight(), conv1.conv.bias, 1, residual=h, out=h_new,
+                                 snake_alpha=alpha, snake_out=body, write_out=h_new is not None)
+                h, cbuf = h_new, nbuf
+            buf = cbuf
+        final_conv._save_context(buf, state)
+        return torch.tanh(final_conv._conv(buf))
 
     def _forward_fused(self, x: Tensor, state: StreamState | None) -> Tensor:
         """The same computation as ``self.model`` with fewer passes over the activations.
@@ -365,7 +433,7 @@ class Codec(nn.Module):
                     w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
         if triton_conv is not None:
             for mod in self.decoder.modules():
-                if isinstance(mod, CausalConv1d):
+                if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
                     mod.triton_conv = bool(triton_conv)
         if self.decoder.channels_last and not self.decoder.fused:
             raise ValueError("channels_last needs the fused decoder path")

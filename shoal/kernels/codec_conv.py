@@ -13,7 +13,8 @@ state, or zeros one-shot), so ``L_out = L_in - (K-1)*d``. :func:`conv1d_cl` comp
 of ``BT`` output rows x ``BN`` output channels per program: for each tap and each ``BC``-wide
 slice of input channels it loads a shifted ``[BT, BC]`` slab of ``x`` and the matching
 ``[BC, BN]`` slice of the packed weight ``[K, C_in, C_out]`` and accumulates with ``tl.dot``
-in fp32 (IEEE fp32 products for fp32 inputs, never TF32). The bias is added to the fp32
+in fp32 (fp32 inputs: IEEE products, or TF32 when ``torch.backends.cudnn.allow_tf32`` lets
+cuDNN use it too). The bias is added to the fp32
 accumulator and the result is rounded once to the storage dtype, as cuDNN does.
 
 Optional fused epilogue (``residual``): ``out = residual + (acc + bias)`` rounded like
@@ -59,8 +60,15 @@ def conv1d_cl_ref(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int 
     return y if residual is None else residual + y
 
 
-# (BT, BN, BC, num_warps, num_stages) by (C_in, C_out); measured on an H200 (docs/benchmarks.md)
-_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
+# (BT, BN, BC, num_warps, num_stages) by (C_in, C_out): the fastest of a 12-config sweep on an
+# H200 at batch 64 x 32 frames, bf16 (`python -m shoal.bench.kernels_codec_conv`, docs/benchmarks.md).
+_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
+    (1024, 1536): (128, 256, 64, 8, 3),
+    (768, 768): (128, 256, 64, 8, 3),
+    (384, 384): (128, 128, 64, 8, 3),
+    (192, 192): (128, 64, 64, 4, 3),
+    (96, 96): (128, 128, 32, 4, 4),
+}
 
 
 def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int, int]:
@@ -73,6 +81,8 @@ def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int,
     cfg = _CONFIGS.get((c_in, c_out))
     if cfg is not None:
         return cfg
+    if length >= 128 and c_out >= 768:  # wide outputs (the transposed convs as GEMMs)
+        return 128, 256, 64, 8, 3
     bn = min(128, max(16, _next_pow2(c_out)))
     bc = min(64, max(16, _next_pow2(c_in)))
     bt = 128 if length >= 128 else max(16, _next_pow2(length))
@@ -81,15 +91,19 @@ def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int,
 
 if HAS_TRITON:
     from .fused import _round  # noqa: F401 - called by name from the kernel
+    from .snake import _snake_math  # noqa: F401 - called by name from the kernel
 
     def _conv_kernel(
-        x_ptr, w_ptr, b_ptr, r_ptr, o_ptr,
+        x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
         L_out, C_in, C_out, n_tb, n_nb,
-        sxb, sxc, sxl, srb, src, srl, sob, soc, sol,
+        sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
         K: tl.constexpr,
         DIL: tl.constexpr,
         HAS_B: tl.constexpr,
         HAS_R: tl.constexpr,
+        WRITE_O: tl.constexpr,
+        SNAKE: tl.constexpr,
+        ACCURATE_SIN: tl.constexpr,
         BT: tl.constexpr,
         BN: tl.constexpr,
         BC: tl.constexpr,
@@ -121,17 +135,23 @@ if HAS_TRITON:
                     w = w.to(tl.float32)
                 if IEEE or UPCAST:
                     acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, w, acc)
+                else:  # bf16 / fp16 inputs, or fp32 as TF32 (torch.backends.cudnn.allow_tf32)
+                    acc = tl.dot(a, w, acc, input_precision="tf32")
         if HAS_B:
             acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         m = tm[:, None] & nm[None, :]
+        n64 = n[None, :].to(tl.int64)
         if HAS_R:
             acc = _round(acc, DT)
-            r = tl.load(r_ptr + b * srb + n[None, :].to(tl.int64) * src + t[:, None] * srl, mask=m, other=0.0)
+            r = tl.load(r_ptr + b * srb + n64 * src + t[:, None] * srl, mask=m, other=0.0)
             acc = acc + r.to(tl.float32)
-        tl.store(o_ptr + b * sob + n[None, :].to(tl.int64) * soc + t[:, None] * sol,
-                 acc.to(o_ptr.dtype.element_ty), mask=m)
+        if WRITE_O:
+            tl.store(o_ptr + b * sob + n64 * soc + t[:, None] * sol, acc.to(o_ptr.dtype.element_ty), mask=m)
+        if SNAKE:  # the Snake that follows, on the rounded result (as the separate kernel would)
+            h = _round(acc, DT)
+            alpha = tl.load(a_ptr + n, mask=nm, other=1.0).to(tl.float32)
+            sv = _snake_math(h, alpha[None, :], DT, ACCURATE_SIN)
+            tl.store(s_ptr + b * ssb + n64 * ssc + t[:, None] * ssl, sv.to(s_ptr.dtype.element_ty), mask=m)
 
     if triton_interpreting():
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
@@ -149,12 +169,19 @@ def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
 
 def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: int = 1, *,
                      residual: Tensor | None = None, out: Tensor | None = None,
-                     config: tuple[int, int, int, int, int] | None = None) -> Tensor:
+                     snake_alpha: Tensor | None = None, snake_out: Tensor | None = None,
+                     write_out: bool = True,
+                     config: tuple[int, int, int, int, int] | None = None) -> Tensor | None:
     """Kernel version of :func:`conv1d_cl_ref` with the weight packed by :func:`pack_conv_weight`.
 
     ``x`` is ``[B, C_in, L_in]`` with any strides (channels-last memory, ``stride(1) == 1``,
     is what makes the loads coalesced); the result is ``[B, C_out, L_out]`` in channels-last
-    memory (or written into ``out``, any strides)."""
+    memory (or written into ``out``, any strides).
+
+    ``snake_alpha`` / ``snake_out``: also write ``Snake_alpha(result)`` (rounded exactly as
+    :func:`shoal.kernels.snake.snake` rounds) into ``snake_out`` (any strides, e.g. the next
+    conv's input buffer after its left context). ``write_out=False`` skips storing the result
+    itself (returns None) when only its Snake is needed."""
     interpret = _require_kernel(x)
     _check_dtype("x", x)
     if x.dim() != 3 or packed.dim() != 3:
@@ -168,34 +195,53 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     L_out = L_in - (K - 1) * dilation
     if L_out < 0:
         raise ValueError(f"input of {L_in} samples is shorter than the receptive field")
-    if out is None:
+    if snake_alpha is not None:
+        if snake_out is None or tuple(snake_out.shape) != (B, C_out, L_out) or snake_out.dtype != x.dtype:
+            raise ValueError(f"snake_out must be {(B, C_out, L_out)} {x.dtype}")
+        if snake_alpha.numel() != C_out:
+            raise ValueError(f"snake_alpha must have {C_out} elements")
+        snake_alpha = snake_alpha.reshape(C_out).contiguous()
+    elif not write_out:
+        raise ValueError("write_out=False needs a Snake output")
+    if out is None and write_out:
         out = _channels_last_empty(B, C_out, L_out, x)
+    elif out is None:
+        out = snake_out
     elif tuple(out.shape) != (B, C_out, L_out) or out.dtype != x.dtype:
         raise ValueError(f"out must be {(B, C_out, L_out)} {x.dtype}")
     if residual is not None and (tuple(residual.shape) != (B, C_out, L_out) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {(B, C_out, L_out)} {x.dtype}")
     if out.numel() == 0:
-        return out
+        return out if write_out else None
     bt, bn, bc, warps, stages = config or conv_config(C_in, C_out, L_out)
+    if x.dtype == torch.float32 and config is None:
+        bc = min(bc, 32)  # fp32 tiles take twice the shared memory
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn)
     r = residual if residual is not None else out
     opts = {"num_warps": warps}
     if not interpret:
         opts["num_stages"] = stages
+        opts["enable_fp_fusion"] = False  # the Snake epilogue rounds like PyTorch (no FMA)
+    so = snake_out if snake_alpha is not None else out
     _kernel()[(B * n_tb * n_nb,)](
         x, packed, bias if bias is not None else packed, r, out,
+        snake_alpha if snake_alpha is not None else packed, so,
         L_out, C_in, C_out, n_tb, n_nb,
-        *x.stride(), *r.stride(), *out.stride(),
+        *x.stride(), *r.stride(), *out.stride(), *so.stride(),
         K=K, DIL=dilation,
         HAS_B=bias is not None, HAS_R=residual is not None,
+        WRITE_O=write_out, SNAKE=snake_alpha is not None,
+        # libdevice has no interpreter implementation; the interpreter's sin is numpy's.
+        ACCURATE_SIN=not interpret,
         BT=bt, BN=bn, BC=bc,
         DT=_DT_CODE[x.dtype],
-        IEEE=x.dtype == torch.float32,
+        # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs
+        IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
         UPCAST=interpret and x.dtype != torch.float32,
         **opts,
     )
-    return out
+    return out if write_out else None
 
 
 def conv1d_cl(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None, dilation: int = 1, *,

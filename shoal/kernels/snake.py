@@ -65,6 +65,18 @@ if HAS_TRITON:
 
     from .fused import _round  # noqa: F401 - called by name from the kernel
 
+    def _snake_math_impl(h, a, DT: tl.constexpr, ACCURATE_SIN: tl.constexpr):
+        """Snake of fp32 ``h`` (values of storage dtype DT) with per-channel ``a`` broadcast to
+        h's shape; every operation rounded to DT as PyTorch eager rounds it."""
+        inv = _round(tl.math.div_rn(1.0, _round(a + 1e-9, DT)), DT)
+        ah = _round(a * h, DT)
+        if ACCURATE_SIN:
+            sn = libdevice.sin(ah)
+        else:
+            sn = tl.sin(ah)
+        sn = _round(sn, DT)
+        return _round(h + _round(inv * _round(sn * sn, DT), DT), DT)
+
     def _snake_kernel(
         x_ptr, y_ptr, b_ptr, a_ptr, o_ptr, h_ptr,
         C, L, n_cblocks, n_lblocks,
@@ -93,14 +105,7 @@ if HAS_TRITON:
             bv = tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)
             h = _round(h + bv[:, None], DT)
         a = tl.load(a_ptr + c, mask=cm, other=1.0).to(tl.float32)
-        inv = _round(tl.math.div_rn(1.0, _round(a + 1e-9, DT)), DT)
-        ah = _round(a[:, None] * h, DT)
-        if ACCURATE_SIN:
-            sn = libdevice.sin(ah)
-        else:
-            sn = tl.sin(ah)
-        sn = _round(sn, DT)
-        s = _round(h + _round(inv[:, None] * _round(sn * sn, DT), DT), DT)
+        s = _snake_math(h, a[:, None], DT, ACCURATE_SIN)
         tl.store(o_ptr + b * sob + c64[:, None] * soc + l[None, :] * sol, s.to(o_ptr.dtype.element_ty), mask=m)
         if WRITE_H:
             tl.store(h_ptr + b * shb + c64[:, None] * shc + l[None, :] * shl, h.to(h_ptr.dtype.element_ty), mask=m)
@@ -109,6 +114,8 @@ if HAS_TRITON:
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
     else:
         from triton.runtime.jit import JITFunction as _Wrap
+
+    _snake_math = _Wrap(_snake_math_impl)
 
     @functools.cache
     def _kernel():
