@@ -176,7 +176,12 @@ def test_gpu_conv_matches_reference(dtype, shape):
     w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(dtype).cuda()
     b = torch.randn(co, generator=g).to(dtype).cuda()
     r = torch.randn(B, co, L_out, generator=g).to(dtype).cuda()
-    out = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w), b, d, residual=r)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # fp32: IEEE products (TF32 follows this switch)
+    try:
+        out = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w), b, d, residual=r)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     ref = r.double() + F.conv1d(x.double(), w.double(), b.double(), 1, 0, d)
     tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= tol

@@ -320,9 +320,17 @@ class GraphedStreamingDecoder(StreamingDecoder):
 def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> StreamingDecoder:
     """The streaming decoder for serving: CUDA graphs on a CUDA codec unless disabled
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
-    ``SHOAL_CODEC_CHANNELS_LAST=1`` switches the decoder to channels-last convolutions."""
-    if os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
-        codec.configure_serving(channels_last=os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", ""))
+    On CUDA the decoder's convolutions run as the Triton implicit-GEMM kernels with the Snakes
+    fused into their epilogues (:mod:`shoal.kernels.codec_conv`, channels-last);
+    ``SHOAL_CODEC_TRITON_CONV=0`` keeps cuDNN, and ``SHOAL_CODEC_CHANNELS_LAST=0|1`` then picks
+    cuDNN's layout."""
+    from ..kernels.codec_conv import codec_conv_enabled
+
+    if codec.device.type == "cuda" and codec_conv_enabled():
+        codec.configure_serving(channels_last=True, triton_conv=True)
+    elif os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
+        codec.configure_serving(channels_last=os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", ""),
+                                triton_conv=False)
     if graphs is None:
         graphs = os.environ.get("SHOAL_CODEC_GRAPHS", "1") not in ("0", "")
     if graphs and codec.device.type == "cuda":

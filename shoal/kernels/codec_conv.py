@@ -160,7 +160,11 @@ if HAS_TRITON:
 
     @functools.cache
     def _kernel():
-        return _Wrap(_conv_kernel)
+        if triton_interpreting():
+            return _Wrap(_conv_kernel)
+        # lengths, tile counts and batch strides change with every chunk size: one compiled
+        # variant serves them all (channel strides and counts stay specialized)
+        return _Wrap(_conv_kernel, do_not_specialize=["L_out", "n_tb", "n_nb", "sxb", "srb", "sob", "ssb"])
 
 
 def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
