@@ -158,7 +158,8 @@ def test_config_env_override(monkeypatch):
     assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2)
     monkeypatch.delenv("SHOAL_CODEC_CONV_CFG")
     bt, bn, bc, _, _ = cc.conv_config(40, 24, 10)
-    assert bt == 16 and bn == 32 and bc == 64
+    assert bt == 128 and bn == 32 and bc == 64
+    assert cc.conv_config(40, 24, 100000) == cc.conv_config(40, 24, 10)
 
 
 # --------------------------------------------------------------------------------------

@@ -72,7 +72,8 @@ _CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
 
 
 def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int, int]:
-    """Tile sizes for a conv; an env override ``SHOAL_CODEC_CONV_CFG=BT,BN,BC,warps,stages``
+    """Tile sizes for a conv (independent of ``length``, so that every chunk size shares one
+    compiled variant); an env override ``SHOAL_CODEC_CONV_CFG=BT,BN,BC,warps,stages``
     exists for tuning sweeps."""
     env = os.environ.get("SHOAL_CODEC_CONV_CFG")
     if env:
@@ -81,12 +82,12 @@ def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int,
     cfg = _CONFIGS.get((c_in, c_out))
     if cfg is not None:
         return cfg
-    if length >= 128 and c_out >= 768:  # wide outputs (the transposed convs as GEMMs)
+    if c_out >= 768:  # wide outputs (the transposed convs as GEMMs)
         return 128, 256, 64, 8, 3
     bn = min(128, max(16, _next_pow2(c_out)))
     bc = min(64, max(16, _next_pow2(c_in)))
-    bt = 128 if length >= 128 else max(16, _next_pow2(length))
-    return bt, bn, bc, 4, 3
+    # one tile height for every length: a new chunk size must not compile a new variant
+    return 128, bn, bc, 4, 3
 
 
 if HAS_TRITON:
