@@ -34,7 +34,8 @@ SHAPES = {
     "k1_res": (3, 33, 33, 1, 1, 70, True, False),
     "k1_short": (2, 8, 70, 1, 1, 5, False, True),
 }
-INTERP_CASES = [f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES] + ["golden_decode_fp32"]
+INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
+                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -106,6 +107,12 @@ def _kernel_used(codec) -> bool:
 def _interp_case(name: str) -> dict:
     if name == "golden_decode_fp32":
         return _golden_decode_case()
+    if name.startswith("flat_"):  # the (tap, channel-slice) single-loop variant
+        os.environ["SHOAL_CODEC_CONV_FLAT"] = "1"
+        try:
+            return _interp_case(name[len("flat_"):])
+        finally:
+            del os.environ["SHOAL_CODEC_CONV_FLAT"]
     dt_name, shape = name.split("_", 1)
     return _conv_case(dt_name, shape)
 

@@ -102,7 +102,7 @@ def bench_conv(shape: dict, dtype, configs) -> dict:
     best = None
     cells = []
     for cfg in configs:
-        if cfg[1] > max(16, 1 << (co - 1).bit_length()) * 2:
+        if len(configs) > 1 and cfg[1] > max(16, 1 << (co - 1).bit_length()) * 2:
             continue
         try:
             out = conv1d_cl_triton(x_cl, packed, b, d, config=cfg)
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--skip", default="", help="comma list: convs,decode,profile")
     p.add_argument("--backends", default="cudnn_ncl,cudnn_nlc,triton")
+    p.add_argument("--configs", default="sweep", help="sweep (12 tile configs) or table (the shipped one)")
+    p.add_argument("--min-k", type=int, default=1, help="only convs with at least this many taps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -211,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             for s in shapes:
                 uniq.setdefault(tuple(sorted(s.items())), [s, 0])[1] += 1
             for s, count in uniq.values():
-                r = bench_conv(s, dtype, CONFIGS)
+                if s["k"] < args.min_k:
+                    continue
+                from ..kernels.codec_conv import conv_config
+
+                cfgs = CONFIGS if args.configs == "sweep" else [conv_config(s["c_in"], s["c_out"], s["l_in"])]
+                r = bench_conv(s, dtype, cfgs)
                 r["count_per_call"] = count
                 out["convs"].append(r)
                 best = r.get("triton_best") or {}

@@ -94,6 +94,15 @@ if HAS_TRITON:
     from .fused import _round  # noqa: F401 - called by name from the kernel
     from .snake import _snake_math  # noqa: F401 - called by name from the kernel
 
+    def _mma_impl(a, w, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        if UPCAST:  # the interpreter's bf16 tl.dot is wrong (triton 3.9); products are exact in fp32
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE or UPCAST:
+            return tl.dot(a, w, acc, input_precision="ieee")
+        # bf16 / fp16 inputs, or fp32 as TF32 (torch.backends.cudnn.allow_tf32)
+        return tl.dot(a, w, acc, input_precision="tf32")
+
     def _conv_kernel(
         x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
         L_out, C_in, C_out, n_tb, n_nb,
@@ -111,6 +120,7 @@ if HAS_TRITON:
         DT: tl.constexpr,
         IEEE: tl.constexpr,
         UPCAST: tl.constexpr,
+        FLAT: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)  # one flat axis; output-channel tiles fastest
         nb = pid % n_nb
@@ -123,21 +133,27 @@ if HAS_TRITON:
         nm = n < C_out
         acc = tl.zeros((BT, BN), dtype=tl.float32)
         xb = x_ptr + b * sxb
-        for k in tl.static_range(K):
-            rows = (t + k * DIL)[:, None] * sxl
-            for c0 in range(0, C_in, BC):
-                c = c0 + tl.arange(0, BC)
+        if FLAT:  # one loop over (tap, channel slice): a long loop for the software pipeliner
+            n_cc = tl.cdiv(C_in, BC)
+            for it in range(0, K * n_cc):
+                k = it // n_cc
+                c = (it % n_cc) * BC + tl.arange(0, BC)
                 cm = c < C_in
-                a = tl.load(xb + rows + c[None, :].to(tl.int64) * sxc, mask=tm[:, None] & cm[None, :], other=0.0)
+                a = tl.load(xb + (t + k * DIL)[:, None] * sxl + c[None, :].to(tl.int64) * sxc,
+                            mask=tm[:, None] & cm[None, :], other=0.0)
                 w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
                             mask=cm[:, None] & nm[None, :], other=0.0)
-                if UPCAST:  # the interpreter's bf16 tl.dot is wrong (triton 3.9); products are exact in fp32
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
-                if IEEE or UPCAST:
-                    acc = tl.dot(a, w, acc, input_precision="ieee")
-                else:  # bf16 / fp16 inputs, or fp32 as TF32 (torch.backends.cudnn.allow_tf32)
-                    acc = tl.dot(a, w, acc, input_precision="tf32")
+                acc = _mma(a, w, acc, IEEE, UPCAST)
+        else:
+            for k in tl.static_range(K):
+                rows = (t + k * DIL)[:, None] * sxl
+                for c0 in range(0, C_in, BC):
+                    c = c0 + tl.arange(0, BC)
+                    cm = c < C_in
+                    a = tl.load(xb + rows + c[None, :].to(tl.int64) * sxc, mask=tm[:, None] & cm[None, :], other=0.0)
+                    w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
+                                mask=cm[:, None] & nm[None, :], other=0.0)
+                    acc = _mma(a, w, acc, IEEE, UPCAST)
         if HAS_B:
             acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
         m = tm[:, None] & nm[None, :]
@@ -159,6 +175,8 @@ if HAS_TRITON:
     else:
         from triton.runtime.jit import JITFunction as _Wrap
 
+    _mma = _Wrap(_mma_impl)
+
     @functools.cache
     def _kernel():
         if triton_interpreting():
@@ -170,6 +188,12 @@ if HAS_TRITON:
 
 def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
     return torch.empty(B, L, C, device=like.device, dtype=like.dtype).transpose(1, 2)
+
+
+def _flat_loop() -> bool:
+    """One (tap, channel-slice) loop instead of taps unrolled around a channel loop
+    (``SHOAL_CODEC_CONV_FLAT=0|1``; the default is the faster one on an H200)."""
+    return os.environ.get("SHOAL_CODEC_CONV_FLAT", "0") == "1"
 
 
 def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: int = 1, *,
@@ -244,6 +268,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs
         IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
         UPCAST=interpret and x.dtype != torch.float32,
+        FLAT=_flat_loop(),
         **opts,
     )
     return out if write_out else None
