@@ -24,8 +24,10 @@ from .random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
 
 def profile_prefill(model, cfg, dev, tokens: int) -> dict:
     """Wall time and top CPU / GPU ops of the engine steps that prefill one prompt (after a
-    warm-up request of the same length, so compilation is excluded)."""
+    warm-up request of the same length, so compilation is excluded; with the CUDA graphs of a
+    serving engine: prefill chunks up to the largest prefill bucket replay a graph)."""
     eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=4, max_seq_len=4096, num_blocks=1024))
+    eng.runner.capture_graphs(show_progress=False)  # decode + prefill graphs, as when serving
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 

@@ -4,8 +4,10 @@
   K/V through a slot mapping and attends with the paged decode kernel (Triton on GPU, PyTorch
   reference on CPU). Shapes are fixed per batch bucket and nothing syncs with the host, so the
   whole decode step can be captured in a CUDA graph.
-- :class:`PagedPrefillBackend`: a chunk of one sequence's prompt, attending over its cached
-  prefix plus the chunk (causal).
+- :class:`PagedPrefillBackend`: prompt chunks of several sequences packed into one token
+  axis, each attending causally over its cached prefix plus itself: one paged varlen
+  attention call per layer (graph-capturable). :class:`SegmentedPrefillBackend` is the
+  previous per-segment SDPA version, kept for comparisons.
 - :class:`FastCacheBackend`: the fast transformer's 10-slot cache, one row per batch row.
 """
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.paged_attention import paged_decode_attention
+from ..kernels.prefill_attention import paged_prefill_attention
 
 
 class PagedKVCache:
@@ -74,9 +77,57 @@ class PagedDecodeBackend:
 class PagedPrefillBackend:
     """Prompt chunks of several sequences packed into one token axis (B = 1, N tokens).
 
-    The projections and MLPs run once over all N tokens; attention runs per segment: a chunk
-    that starts a sequence attends to itself (causal, flash-capable SDPA, no gather); a later
-    chunk attends to its cached prefix (gathered from its blocks) plus itself."""
+    The projections and MLPs run once over all N tokens; the chunks' K/V are written into the
+    paged cache first, then ONE paged varlen causal attention call per layer
+    (:func:`~shoal.kernels.prefill_attention.paged_prefill_attention`: Triton on GPU, its
+    PyTorch reference on CPU) reads every segment's context from the cache -- first chunks and
+    continuation chunks alike. No per-segment work, no masks, no host syncs: with fixed-size
+    metadata (unused segments of length 0, padding tokens past the last segment writing to a
+    scratch slot) the whole prefill forward can be captured in a CUDA graph."""
+
+    def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int, head_dim: int | None = None) -> None:
+        self.cache = cache
+        self.scale = (head_dim or cache.data.shape[-1]) ** -0.5
+        self.slots: Tensor | None = None
+        self.cu_seqlens: Tensor | None = None
+        self.start_pos: Tensor | None = None
+        self.block_tables: Tensor | None = None
+        self.block_table_rows: Tensor | None = None
+        self.max_context: int | None = None
+        self.max_query: int | None = None
+
+    def set(self, slots: Tensor, cu_seqlens: Tensor, start_pos: Tensor, block_tables: Tensor,
+            block_table_rows: Tensor | None = None, max_context: int | None = None,
+            max_query: int | None = None) -> None:
+        """``slots`` [N]: flat cache slot of every token (padding tokens: a scratch slot);
+        ``cu_seqlens`` [S+1], ``start_pos`` [S], ``block_tables`` [R, max_blocks] with
+        ``block_table_rows`` [S] (row of each segment; default row s): see
+        :mod:`shoal.kernels.prefill_attention`. ``max_context`` / ``max_query``: host-side
+        bounds that size the PyTorch reference's work (CPU); the Triton kernel ignores them."""
+        self.slots, self.cu_seqlens, self.start_pos = slots, cu_seqlens, start_pos
+        self.block_tables, self.block_table_rows = block_tables, block_table_rows
+        self.max_context, self.max_query = max_context, max_query
+
+    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.cache.k(layer), self.cache.v(layer), self.slots
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.cache.write(layer, self.slots, k[0], v[0])
+        return self.attend_only(layer, q)
+
+    def attend_only(self, layer: int, q: Tensor) -> Tensor:
+        out = paged_prefill_attention(q[0], self.cache.k(layer), self.cache.v(layer), self.block_tables,
+                                      self.cu_seqlens, self.start_pos, self.scale,
+                                      block_table_rows=self.block_table_rows, max_context=self.max_context,
+                                      max_query=self.max_query)
+        return out[None]
+
+
+class SegmentedPrefillBackend:
+    """The previous prefill backend, kept for comparisons (``shoal.bench.kernels_prefill``,
+    tests): attention runs per segment in Python -- a chunk that starts a sequence attends to
+    itself (causal SDPA on its own K/V), a later chunk to its prefix gathered from its blocks
+    plus itself (SDPA with a mask) -- so a step launches several kernels per segment and layer."""
 
     def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int) -> None:
         self.cache = cache

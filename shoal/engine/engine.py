@@ -19,7 +19,12 @@ from ..model.dualar import DualAR
 from .audio import AudioStreamer, AudioWorker, ChunkSchedule
 from .kv_cache import BlockPool
 from .request import AudioEvent, EngineRequest, Event, FinishEvent, FramesEvent, Status
-from .runner import ModelRunner, RunnerConfig
+from .runner import (
+    ModelRunner,
+    RunnerConfig,
+    default_prefill_buckets,
+    prefill_graph_bytes,
+)
 from .scheduler import Scheduler
 
 
@@ -41,6 +46,9 @@ class EngineConfig:
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
     overlap_decode: bool | None = None
+    # prefill steps replay CUDA graphs captured per token bucket (64 ... min(prefill_chunk,
+    # 2048)); default on with cuda_graphs on CUDA; env SHOAL_PREFILL_GRAPHS=0 turns it off
+    prefill_graphs: bool | None = None
 
 
 def _fused_sampling(cfg: EngineConfig, model: DualAR) -> bool:
@@ -68,6 +76,10 @@ class Engine:
             model.enable_fused_kernels()
         self.max_seq_len = min(cfg.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         max_blocks_per_seq = -(-self.max_seq_len // cfg.block_size)
+        self.prefill_graphs = bool(cfg.cuda_graphs and on_cuda and (
+            cfg.prefill_graphs if cfg.prefill_graphs is not None
+            else os.environ.get("SHOAL_PREFILL_GRAPHS", "1") != "0"))
+        self.prefill_buckets = default_prefill_buckets(cfg.prefill_chunk)
         self.audio: AudioWorker | None = None
         if codec is not None:
             threaded = cfg.audio_thread if cfg.audio_thread is not None else on_cuda
@@ -82,7 +94,8 @@ class Engine:
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
             max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda,
-            fused_sampling=_fused_sampling(cfg, model)))
+            fused_sampling=_fused_sampling(cfg, model), prefill_graphs=self.prefill_graphs,
+            prefill_buckets=self.prefill_buckets))
         if on_cuda:  # kernels that fail to compile or disagree on this GPU are not used
             self.runner.verify_fused_sampling()
         self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
@@ -104,13 +117,17 @@ class Engine:
         if self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
             reserve = 6 << 30  # activations, LLM graphs, codec eager fallbacks
+            if self.prefill_graphs:  # the prefill graphs' pool is held beside eager activations
+                reserve += prefill_graph_bytes(self.model.config, max(self.prefill_buckets),
+                                               self.model.dtype.itemsize)
             return max(int((free - reserve) * cfg.kv_memory_fraction) // per_block, 2 * max_blocks_per_seq)
         # CPU: room for every slot at 1/4 of the context, capped at 256 MiB
         want = max_running * max(max_blocks_per_seq // 4, 4)
         return max(min(want, (256 << 20) // per_block), max_blocks_per_seq + 1)
 
     def warmup(self, show_progress: bool = True, prefill: bool | None = None) -> None:
-        """Capture the decode graphs (and the codec's), then (``prefill``, default on CUDA) run
+        """Capture the decode graphs and the prefill graphs (and the codec's), then
+        (``prefill``, default on CUDA) run
         throw-away prefills of lengths that cover every launch-config bucket and Triton
         specialization of the prefill kernels, so no kernel compiles while serving (a cold FP8
         prefill compiled its GEMM variants inside the first requests)."""
@@ -300,7 +317,7 @@ class Engine:
             full = self._full(req)
             full_seqs.append(full)
             if end > start:
-                chunks.append((full[:, :-1], start, end, self.pool.block_table(req.request_id)))
+                chunks.append((full[:, :-1], start, end, self.pool.block_table(req.request_id), req.slot))
         with torch.inference_mode():
             runner.prefill(chunks)
         for (req, start, end), full in zip(plan.prefill, full_seqs):

@@ -7,6 +7,13 @@ cache, samples the main token (constrained head, RAS, counter-based noise), runs
 fast loop for the whole batch, and scatters the new state back. The step has static shapes per
 batch bucket and no host synchronisation, so on CUDA it is captured once per bucket as a graph
 and replayed; the only per-step transfers are the slot ids in and the new columns out.
+
+Prefill packs the step's prompt chunks into one token axis; all its inputs (token columns,
+positions, cache slots, segment boundaries, start positions, block-table rows) travel as ONE
+int64 array and one host-to-device copy, and every layer attends with one paged varlen kernel.
+On CUDA the prefill forward is also captured per token bucket (padded: the padding tokens
+write their K/V to the scratch block and their attention output is zero), so a prefill step is
+one copy from pinned memory plus one graph replay; steps above the largest bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from ..model.dualar import DualAR
-from .attention import FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend
+from .attention import (FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend,
+                        SegmentedPrefillBackend)
+from ..kernels import prefill_attention
 from ..kernels.sampling import s2_main_sample, s2_residual_sample
 from .sampling import (DRAWS_PER_FRAME, BatchSampling, SamplingParams, residual_code, residual_noise,
                        s1_main_token, s2_main_token)
@@ -44,6 +53,48 @@ def default_buckets(max_batch: int) -> list[int]:
     return sorted(set(out))
 
 
+MAX_PREFILL_GRAPH_TOKENS = 2048  # larger prefill steps run eagerly (launch overhead amortised)
+
+
+def default_prefill_buckets(prefill_chunk: int, max_tokens: int = MAX_PREFILL_GRAPH_TOKENS) -> list[int]:
+    """Token buckets of the captured prefill graphs: 64, 128, ... below the prefill chunk, and
+    the chunk itself (capped at ``max_tokens``)."""
+    top = max(1, min(prefill_chunk, max_tokens))
+    return sorted({b for b in (64, 128, 256, 512, 1024, 2048) if b < top} | {top})
+
+
+def prefill_graph_bytes(model_config, tokens: int, itemsize: int) -> int:
+    """A generous estimate of the memory the captured prefill graphs keep (their shared pool
+    holds one forward's activations at the largest bucket: the codebook-embedding gather, the
+    qkv / attention / MLP intermediates of one layer, the residual stream), for sizing the KV
+    pool before capture."""
+    s = model_config.slow
+    per_token = (model_config.num_codebooks * s.dim + 6 * s.dim + 3 * s.intermediate_size
+                 + 3 * (s.n_head + 2 * s.n_local_heads) * s.head_dim)
+    return int(tokens * per_token * itemsize * 1.5) + (64 << 20)
+
+
+class _PrefillLayout:
+    """Where the prefill inputs sit in one flat int64 array, for ``n`` tokens (padded) and
+    ``s`` segments: cu_seqlens [s+1], start positions [s], block-table rows [s], positions [n],
+    cache slots [n], token columns [rows, n]. :meth:`views` slices a numpy array or a tensor."""
+
+    def __init__(self, n: int, s: int, rows: int) -> None:
+        self.n, self.s, self.rows = n, s, rows
+        self._parts = {}
+        o = 0
+        for name, size in (("cu", s + 1), ("start", s), ("bt_rows", s), ("pos", n), ("slots", n),
+                           ("cols", rows * n)):
+            self._parts[name] = (o, o + size)
+            o += size
+        self.size = o
+
+    def views(self, buf):
+        v = {name: buf[a:b] for name, (a, b) in self._parts.items()}
+        v["cols"] = v["cols"].reshape(self.rows, self.n)
+        return v
+
+
 @dataclass
 class RunnerConfig:
     max_slots: int
@@ -53,6 +104,12 @@ class RunnerConfig:
     cuda_graphs: bool
     graph_buckets: list[int] | None = None
     fused_sampling: bool = False  # S2 draws as Triton kernels (shoal.kernels.sampling)
+    # prefill forward captured per token bucket (CUDA, with cuda_graphs; needs the Triton
+    # prefill-attention kernel for the model's head size); steps above the largest bucket and
+    # with more than prefill_max_segments chunks run eagerly
+    prefill_graphs: bool = False
+    prefill_buckets: list[int] | None = None  # default: default_prefill_buckets(1024)
+    prefill_max_segments: int | None = None  # default: max_slots (every step fits)
 
 
 class ModelRunner:
@@ -87,7 +144,23 @@ class ModelRunner:
         self.slot_ids = torch.full((cfg.max_slots,), self.scratch_slot, dtype=torch.long, device=dev)
         self.out_cols = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, device=dev)
         self.decode_backend = PagedDecodeBackend(self.kv, s.n_head, s.head_dim)
-        self.prefill_backend = PagedPrefillBackend(self.kv, s.n_head, s.n_local_heads)
+        self.prefill_backend = PagedPrefillBackend(self.kv, s.n_head, s.n_local_heads, s.head_dim)
+        # "paged": one varlen kernel per layer (graph-captured on CUDA); "segmented": the
+        # previous per-segment SDPA backend (comparisons, shoal.bench.kernels_prefill)
+        self.prefill_impl = "paged"
+        self._segmented_backend = SegmentedPrefillBackend(self.kv, s.n_head, s.n_local_heads)
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_buckets = sorted(cfg.prefill_buckets or default_prefill_buckets(1024))
+        self.prefill_max_segments = cfg.prefill_max_segments or cfg.max_slots
+        self.prefill_graphs_enabled = bool(
+            cfg.prefill_graphs and cfg.cuda_graphs and dev.type == "cuda" and prefill_attention.HAS_TRITON
+            and prefill_attention.kernel_supported(s.head_dim, dt))
+        self._prefill_layouts = {b: _PrefillLayout(b, self.prefill_max_segments, self.C + 1)
+                                 for b in self.prefill_buckets}
+        self._prefill_static: dict[int, Tensor] = {}  # bucket -> device input array
+        self._prefill_pinned: list[Tensor] = []  # two pinned staging arrays (alternating)
+        self._prefill_events: list[torch.cuda.Event] = []
+        self._prefill_flip = 0
         self.fast_backend = FastCacheBackend(f.n_layer, cfg.max_slots, self.C, f.n_head,
                                              f.n_local_heads, f.head_dim, dt, dev)
         # two host buffers each for slot ids in and columns out: one step may be in flight
@@ -250,17 +323,105 @@ class ModelRunner:
         return bad
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, chunks: list[tuple[np.ndarray, int, int, list[int]]]) -> None:
+    def prefill(self, chunks: list[tuple[np.ndarray, int, int, list[int], int]]) -> None:
         """Compute K/V for several prompt chunks in one forward: each chunk is (grid, start, end,
-        block ids) = columns [start, end) of a sequence. No logits: the last prompt column is the
-        first decode input, so the first frame is sampled by the (graph-captured, batched)
-        decode step like every other frame."""
+        block ids, slot) = columns [start, end) of the sequence in ``slot`` (whose device block
+        table row must list ``block ids``). No logits: the last prompt column is the first
+        decode input, so the first frame is sampled by the (graph-captured, batched) decode
+        step like every other frame. On CUDA a step of at most the largest bucket's tokens
+        replays a captured graph (after :meth:`capture_graphs`); others run eagerly."""
         if not chunks:
             return
+        if self.prefill_impl == "segmented":
+            self._prefill_segmented(chunks)
+            return
+        n = sum(end - start for _, start, end, _, _ in chunks)
+        bucket = self.prefill_bucket_for(n, len(chunks))
+        if bucket is not None:
+            self._prefill_replay(bucket, chunks)
+        else:
+            self._prefill_eager(chunks, n)
+
+    def prefill_bucket_for(self, n_tokens: int, n_segments: int) -> int | None:
+        """The captured bucket a prefill step of this size replays, or None (eager)."""
+        if not self.prefill_graphs or n_segments > self.prefill_max_segments:
+            return None
+        i = bisect.bisect_left(self.prefill_buckets, n_tokens)
+        if i == len(self.prefill_buckets) or self.prefill_buckets[i] not in self.prefill_graphs:
+            return None
+        return self.prefill_buckets[i]
+
+    def _fill_prefill(self, lay: _PrefillLayout, buf: np.ndarray, chunks) -> tuple[int, int]:
+        """Pack ``chunks`` into ``buf`` (layout ``lay``); unused segments get length 0 and the
+        scratch slot's table row, padding tokens position 0, token 0 and a scratch-block
+        slot. Returns (max context end, max chunk length) for the reference attention."""
+        v = lay.views(buf)
+        bsz = self.cfg.block_size
+        cu, pos_a, slots_a, cols = v["cu"], v["pos"], v["slots"], v["cols"]
+        cu[0] = 0
+        off = max_end = max_n = 0
+        for i, (grid, start, end, blocks, slot) in enumerate(chunks):
+            k = end - start
+            pos = np.arange(start, end, dtype=np.int64)
+            blk = np.asarray(blocks, dtype=np.int64)
+            pos_a[off: off + k] = pos
+            slots_a[off: off + k] = blk[pos // bsz] * bsz + pos % bsz
+            cols[:, off: off + k] = grid[:, start:end]
+            v["start"][i] = start
+            v["bt_rows"][i] = slot
+            off += k
+            cu[i + 1] = off
+            max_end, max_n = max(max_end, end), max(max_n, k)
+        S = len(chunks)
+        cu[S + 1:] = off
+        v["start"][S:] = 0
+        v["bt_rows"][S:] = self.scratch_slot
+        pad = lay.n - off
+        if pad:
+            pos_a[off:] = 0
+            slots_a[off:] = self.scratch_block * bsz + np.arange(pad, dtype=np.int64) % bsz
+            cols[:, off:] = 0
+        return max_end, max_n
+
+    def _bind_prefill(self, lay: _PrefillLayout, t: Tensor, max_context: int | None = None,
+                      max_query: int | None = None) -> tuple[Tensor, Tensor]:
+        v = lay.views(t)
+        self.prefill_backend.set(v["slots"], v["cu"], v["start"], self.block_tables, v["bt_rows"],
+                                 max_context=max_context, max_query=max_query)
+        return v["cols"][None], v["pos"][None]
+
+    def _prefill_eager(self, chunks, n: int) -> None:
+        # CUDA: a fixed segment count (unused ones empty), so the attention kernel compiles
+        # once (its segment-vector width is a compile-time constant), not per count seen
+        segs = len(chunks) if self.device.type == "cpu" else max(len(chunks), self.prefill_max_segments)
+        lay = _PrefillLayout(n, segs, self.C + 1)
+        host = np.empty(lay.size, dtype=np.int64)
+        max_end, max_n = self._fill_prefill(lay, host, chunks)
+        t = torch.from_numpy(host) if self.device.type == "cpu" else self._upload(host)
+        x, pos = self._bind_prefill(lay, t, max_end, max_n)
+        self.model.forward_slow(x, pos, self.prefill_backend, head=None)
+
+    def _prefill_replay(self, bucket: int, chunks) -> None:
+        lay = self._prefill_layouts[bucket]
+        i = self._prefill_flip
+        self._prefill_flip ^= 1
+        self._prefill_events[i].synchronize()  # this staging array's previous copy is done
+        host = self._prefill_pinned[i][: lay.size]
+        self._fill_prefill(lay, host.numpy(), chunks)
+        self._prefill_static[bucket].copy_(host, non_blocking=True)
+        self._prefill_events[i].record()
+        self.prefill_graphs[bucket].replay()
+
+    def _prefill_body(self, bucket: int) -> None:
+        x, pos = self._bind_prefill(self._prefill_layouts[bucket], self._prefill_static[bucket])
+        self.model.forward_slow(x, pos, self.prefill_backend, head=None)
+
+    def _prefill_segmented(self, chunks) -> None:
+        """The previous prefill: per-segment attention (SegmentedPrefillBackend)."""
         bsz = self.cfg.block_size
         xs, poss, slots, segments = [], [], [], []
         off = 0
-        for grid, start, end, blocks in chunks:  # index math on the host, one upload each
+        for grid, start, end, blocks, _slot in chunks:
             pos = np.arange(start, end, dtype=np.int64)
             blk = np.asarray(blocks, dtype=np.int64)
             slots.append(blk[pos // bsz] * bsz + pos % bsz)
@@ -268,9 +429,10 @@ class ModelRunner:
             xs.append(np.asarray(grid[:, start:end], dtype=np.int64))
             segments.append((off, end - start, self._upload(blk), start, end))
             off += end - start
-        self.prefill_backend.set(self._upload(np.concatenate(slots)), segments)
+        backend = self._segmented_backend
+        backend.set(self._upload(np.concatenate(slots)), segments)
         x = self._upload(np.concatenate(xs, axis=1))[None]
-        self.model.forward_slow(x, self._upload(np.concatenate(poss))[None], self.prefill_backend, head=None)
+        self.model.forward_slow(x, self._upload(np.concatenate(poss))[None], backend, head=None)
 
     # ------------------------------------------------------------------ decode
     def _decode_body(self, B: int) -> None:
@@ -348,9 +510,52 @@ class ModelRunner:
         return self.collect_decode(self.launch_decode(slots))
 
     def capture_graphs(self, show_progress: bool = True) -> None:
-        """Capture one CUDA graph of the decode step per batch bucket (largest first)."""
+        """Capture one CUDA graph of the decode step per batch bucket (largest first), then
+        (``prefill_graphs``) the prefill forward per token bucket, in the same memory pool."""
         if self.device.type != "cuda" or not self.cfg.cuda_graphs:
             return
+        self._capture_decode_graphs(show_progress)
+        if self.prefill_graphs_enabled:
+            try:
+                self.capture_prefill_graphs(show_progress)
+            except Exception as e:  # noqa: BLE001 - serve with eager prefill rather than not at all
+                self.prefill_graphs = {}
+                self.prefill_graphs_enabled = False
+                log.warning("prefill graphs disabled, prefill runs eagerly: %s: %s", type(e).__name__, e)
+
+    def capture_prefill_graphs(self, show_progress: bool = True) -> None:
+        """Capture the prefill forward per token bucket (largest first) with fixed-size inputs
+        (``prefill_max_segments`` segments); steps are padded to their bucket."""
+        if not self.prefill_graphs_enabled or self.prefill_graphs:
+            return
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        buckets = sorted(self.prefill_buckets, reverse=True)
+        size = max(lay.size for lay in self._prefill_layouts.values())
+        self._prefill_pinned = [torch.zeros(size, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self._prefill_events = [torch.cuda.Event() for _ in range(2)]
+        for b in buckets:  # inputs: no segments, every token padding (writes the scratch block)
+            lay = self._prefill_layouts[b]
+            host = np.empty(lay.size, dtype=np.int64)
+            self._fill_prefill(lay, host, [])
+            self._prefill_static[b] = torch.from_numpy(host).to(self.device)
+        with torch.inference_mode():
+            # warm up every bucket outside capture (Triton compiles per GEMM size bucket, cuBLAS)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for b in buckets:
+                    self._prefill_body(b)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            for b in tqdm(buckets, desc="capturing prefill graphs", file=sys.stderr, disable=not show_progress):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.graph_pool, capture_error_mode="thread_local"):
+                    self._prefill_body(b)
+                self.prefill_graphs[b] = g
+        torch.cuda.synchronize()
+
+    def _capture_decode_graphs(self, show_progress: bool) -> None:
         saved = {k: v.clone() for k, v in (("pos", self.position), ("frame", self.frame))}
         self.graph_pool = torch.cuda.graph_pool_handle()
         buckets = sorted(self.buckets, reverse=True)
