@@ -320,10 +320,10 @@ class GraphedStreamingDecoder(StreamingDecoder):
 def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> StreamingDecoder:
     """The streaming decoder for serving: CUDA graphs on a CUDA codec unless disabled
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
-    On CUDA the decoder's convolutions run as the Triton implicit-GEMM kernels with the Snakes
-    fused into their epilogues (:mod:`shoal.kernels.codec_conv`, channels-last);
-    ``SHOAL_CODEC_TRITON_CONV=0`` keeps cuDNN, and ``SHOAL_CODEC_CHANNELS_LAST=0|1`` then picks
-    cuDNN's layout."""
+    ``SHOAL_CODEC_TRITON_CONV=1`` runs the decoder's convolutions on CUDA as the Triton
+    implicit-GEMM kernels with the Snakes fused into their epilogues
+    (:mod:`shoal.kernels.codec_conv`, channels-last; opt-in for now); otherwise cuDNN, with
+    ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
     from ..kernels.codec_conv import codec_conv_enabled
 
     if codec.device.type == "cuda" and codec_conv_enabled():
