@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .codec import HOP, SR, build_codec, random_codes
+from .kernels_sampling import _graph_us as graph_time_us
 
 BACKENDS = {"cudnn_ncl": {"channels_last": False, "triton_conv": False},
             "cudnn_nlc": {"channels_last": True, "triton_conv": False},
@@ -34,27 +35,6 @@ CONFIGS = [  # (BT, BN, BC, warps, stages)
 
 def log(msg: str) -> None:
     print(f"[codec-conv {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def graph_time_us(fn, iters: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / iters
 
 
 def record_shapes(codec, batch: int, frames: int, dev) -> list[dict]:

@@ -123,7 +123,7 @@ class PagedPrefillBackend:
         return out[None]
 
 
-class SegmentedPrefillBackend:
+class SegmentedPrefillBackend(PagedPrefillBackend):
     """The previous prefill backend, kept for comparisons (``shoal.bench.kernels_prefill``,
     tests): attention runs per segment in Python -- a chunk that starts a sequence attends to
     itself (causal SDPA on its own K/V), a later chunk to its prefix gathered from its blocks
@@ -146,13 +146,6 @@ class SegmentedPrefillBackend:
                 queries = torch.arange(start, end, device=slots.device)
                 mask = (keys[None, :] <= queries[:, None])[None, None]
             self.segments.append((off, n, blocks, end, mask))
-
-    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.cache.k(layer), self.cache.v(layer), self.slots
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.cache.write(layer, self.slots, k[0], v[0])
-        return self.attend_only(layer, q)
 
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = torch.empty_like(q)
