@@ -9,7 +9,7 @@ rate. Written as a GEMM they are plain: with activations stored channels-last
     out[b, t, :] = bias + sum_k  x[b, t + k*d, :] @ Wk,      Wk = weight[:, :, k]^T  [C_in, C_out]
 
 where ``x`` is the conv's input buffer *including* its left context (the carried stream
-state, or zeros one-shot), so ``L_out = L_in - (K-1)*d``. :func:`conv1d_cl` computes a tile
+state, or zeros one-shot), so ``L_out = L_in - (K-1)*d``. :func:`conv1d_cl_triton` computes a tile
 of ``BT`` output rows x ``BN`` output channels per program: for each tap and each ``BC``-wide
 slice of input channels it loads a shifted ``[BT, BC]`` slab of ``x`` and the matching
 ``[BC, BN]`` slice of the packed weight ``[K, C_in, C_out]`` and accumulates with ``tl.dot``
@@ -20,8 +20,9 @@ accumulator and the result is rounded once to the storage dtype, as cuDNN does.
 Optional fused epilogue (``residual``): ``out = residual + (acc + bias)`` rounded like
 PyTorch's ``residual + conv(x)`` (the conv result is rounded first, then the sum).
 
-Dispatch as in :mod:`shoal.kernels.fused`: the kernel runs on CUDA tensors (or anywhere under
-``TRITON_INTERPRET=1``); :func:`conv1d_cl_ref` is the PyTorch reference (``F.conv1d``).
+The kernel runs on CUDA tensors (or anywhere under ``TRITON_INTERPRET=1``); the decoder layers
+choose it (``triton_conv``) and fall back to cuDNN elsewhere. :func:`conv1d_cl_ref` is the
+PyTorch reference (``F.conv1d``).
 Launches depend only on shapes, so they can be captured in CUDA graphs.
 """
 
@@ -34,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .fused import _DT_CODE, _check_dtype, _next_pow2, _require_kernel, use_triton
+from .fused import _DT_CODE, _check_dtype, _next_pow2, _require_kernel
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
-__all__ = ["conv1d_cl", "conv1d_cl_ref", "conv1d_cl_triton", "pack_conv_weight", "conv_config",
+__all__ = ["conv1d_cl_ref", "conv1d_cl_triton", "pack_conv_weight", "conv_config",
            "codec_conv_enabled"]
 
 
@@ -61,12 +62,13 @@ def conv1d_cl_ref(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int 
     return y if residual is None else residual + y
 
 
-# (BT, BN, BC, num_warps, num_stages) by (C_in, C_out): the fastest of a 12-config sweep on an
-# H200 at batch 64 x 32 frames, bf16 (`python -m shoal.bench.kernels_codec_conv`, docs/benchmarks.md).
+# (BT, BN, BC, num_warps, num_stages) by (C_in, C_out): the config with the least total time over
+# a channel count's convs (k7 at dilations 1/3/9 and k1, batch 64 x 32 and x 8 frames, bf16) in a
+# 12-config sweep on an H200 (`python -m shoal.bench.kernels_codec_conv`, docs/benchmarks.md).
 _CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
     (1024, 1536): (128, 256, 64, 8, 3),
     (768, 768): (128, 256, 64, 8, 3),
-    (384, 384): (128, 128, 64, 8, 3),
+    (384, 384): (128, 128, 32, 4, 4),
     (192, 192): (128, 64, 64, 4, 3),
     (96, 96): (128, 128, 32, 4, 4),
 }
@@ -273,12 +275,3 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         **opts,
     )
     return out if write_out else None
-
-
-def conv1d_cl(x: Tensor, weight: Tensor, packed: Tensor | None, bias: Tensor | None, dilation: int = 1, *,
-              residual: Tensor | None = None) -> Tensor:
-    """``[residual +] conv1d(x, weight, bias, dilation)``: the Triton kernel when it applies
-    (CUDA or the interpreter, ``packed`` given), else PyTorch."""
-    if packed is not None and use_triton(x):
-        return conv1d_cl_triton(x, packed, bias, dilation, residual=residual)
-    return conv1d_cl_ref(x, weight, bias, dilation, residual)
