@@ -157,7 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     engine.warmup()
     print(f"graphs captured in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     run_level(engine, model, 2, 2, 8, args.prompt_tokens, args.ref_frames, args.audio, 999)  # warm-up
+    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
+            "torch": torch.__version__, "commit": git_commit(),
+            "model": f"{args.shape} shapes, random {args.dtype} weights"
+                     + (" (FP8 block-scaled)" if args.quantization == "fp8" else ""),
+            "args": vars(args)}
     results = []
+
+    def save() -> None:  # after every level: a run cut short keeps the levels it finished
+        meta["engine_stats"] = {k: v for k, v in engine.stats.items()}
+        (out / "engine.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
     for c in levels:
         n = max(int(round(c * args.requests_per_client)), 2)
         r = run_level(engine, model, c, n, args.frames, args.prompt_tokens, args.ref_frames, args.audio, c)
@@ -166,12 +176,8 @@ def main(argv: list[str] | None = None) -> int:
               f"ttff p50 {r['ttff_p50_ms']:7.1f} ms p99 {r['ttff_p99_ms']:7.1f}  "
               f"ttfa p50 {r['ttfa_p50_ms'] or float('nan'):7.1f} ms  mem {r.get('gpu_mem_peak_gib', 0):.1f} GiB",
               file=sys.stderr, flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
-            "torch": torch.__version__, "commit": git_commit(),
-            "model": f"{args.shape} shapes, random {args.dtype} weights"
-                     + (" (FP8 block-scaled)" if args.quantization == "fp8" else ""),
-            "args": vars(args), "engine_stats": {k: v for k, v in engine.stats.items()}}
-    (out / "engine.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        save()
+    save()
     try:
         plot(results, out / "engine.png", f"shoal engine, {meta['gpu']}, {meta['date']}, {meta['commit']}")
     except ImportError:
