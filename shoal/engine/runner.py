@@ -39,6 +39,18 @@ from .sampling import (DRAWS_PER_FRAME, BatchSampling, SamplingParams, residual_
 WINDOW = 16  # repetition window capacity (S2 RAS uses the last 10, S1 the last 16)
 log = logging.getLogger("shoal.engine")
 
+
+def llm_stream_priority() -> int:
+    """Stream priority the LLM's graphs are captured with: the highest the device offers
+    (``SHOAL_LLM_PRIORITY=0`` gives the default, i.e. the codec's). A codec decode on the audio
+    thread launches large conv kernels; at equal priority a decode step's small kernels queue
+    behind their thread blocks, at high priority they take the next free SM."""
+    import os
+
+    if os.environ.get("SHOAL_LLM_PRIORITY", "1") in ("0", ""):
+        return 0
+    return -100  # torch maps values past the device's range to its highest priority
+
 # settings the start-up self-check of the fused sampler draws with (greedy, the nucleus walk,
 # the bisection above top_k 64, top_p 1.0, RAS fallbacks)
 _CHECK_PARAMS = [SamplingParams(greedy=True), SamplingParams(temperature=0.8, top_p=0.8, top_k=30),
@@ -173,6 +185,7 @@ class ModelRunner:
         self.buckets = cfg.graph_buckets or default_buckets(cfg.max_slots)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
+        self.capture_stream: torch.cuda.Stream | None = None
         self.fused_sampling = cfg.fused_sampling
         if self.fused_sampling and self.family != "s2":
             raise ValueError("fused sampling implements the S2 rule only")
@@ -523,6 +536,33 @@ class ModelRunner:
                 self.prefill_graphs_enabled = False
                 log.warning("prefill graphs disabled, prefill runs eagerly: %s: %s", type(e).__name__, e)
 
+    def _capture(self, buckets: list[int], body, warm: list[int], desc: str,
+                 show_progress: bool) -> dict[int, "torch.cuda.CUDAGraph"]:
+        """Run ``body(b)`` for the ``warm`` buckets outside capture (Triton compiles, cuBLAS
+        handles), then capture one graph per bucket in the shared pool. Captured on the
+        high-priority stream (see :func:`llm_stream_priority`): PyTorch instantiates graphs with
+        per-node priorities, so every replayed kernel of the LLM is scheduled ahead of the
+        codec's (default-priority) kernels when both want the SMs."""
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(self.device, priority=llm_stream_priority())
+        graphs = {}
+        with torch.inference_mode():
+            s = self.capture_stream
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for b in warm:
+                    body(b)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            for b in tqdm(buckets, desc=desc, file=sys.stderr, disable=not show_progress):
+                g = torch.cuda.CUDAGraph()
+                # thread_local: the audio thread may run codec work on its own stream meanwhile
+                with torch.cuda.graph(g, pool=self.graph_pool, stream=s, capture_error_mode="thread_local"):
+                    body(b)
+                graphs[b] = g
+        torch.cuda.synchronize()
+        return graphs
+
     def capture_prefill_graphs(self, show_progress: bool = True) -> None:
         """Capture the prefill forward per token bucket (largest first) with fixed-size inputs
         (``prefill_max_segments`` segments); steps are padded to their bucket."""
@@ -539,21 +579,8 @@ class ModelRunner:
             host = np.empty(lay.size, dtype=np.int64)
             self._fill_prefill(lay, host, [])
             self._prefill_static[b] = torch.from_numpy(host).to(self.device)
-        with torch.inference_mode():
-            # warm up every bucket outside capture (Triton compiles per GEMM size bucket, cuBLAS)
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for b in buckets:
-                    self._prefill_body(b)
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            for b in tqdm(buckets, desc="capturing prefill graphs", file=sys.stderr, disable=not show_progress):
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.graph_pool, capture_error_mode="thread_local"):
-                    self._prefill_body(b)
-                self.prefill_graphs[b] = g
-        torch.cuda.synchronize()
+        self.prefill_graphs.update(self._capture(
+            buckets, self._prefill_body, buckets, "capturing prefill graphs", show_progress))
 
     def _capture_decode_graphs(self, show_progress: bool) -> None:
         saved = {k: v.clone() for k, v in (("pos", self.position), ("frame", self.frame))}
@@ -561,19 +588,7 @@ class ModelRunner:
         buckets = sorted(self.buckets, reverse=True)
         with torch.inference_mode():
             self.slot_ids.fill_(self.scratch_slot)
-            # warm up (Triton autotune / compile, cuBLAS handles) outside capture
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for B in buckets[:1] + buckets[-1:]:
-                    self._decode_body(B)
-            torch.cuda.current_stream().wait_stream(s)
-            for B in tqdm(buckets, desc="capturing CUDA graphs", file=sys.stderr, disable=not show_progress):
-                g = torch.cuda.CUDAGraph()
-                # thread_local: the audio thread may run codec work on its own stream meanwhile
-                with torch.cuda.graph(g, pool=self.graph_pool, capture_error_mode="thread_local"):
-                    self._decode_body(B)
-                self.graphs[B] = g
-        torch.cuda.synchronize()
+        self.graphs.update(self._capture(
+            buckets, self._decode_body, buckets[:1] + buckets[-1:], "capturing CUDA graphs", show_progress))
         self.position.copy_(saved["pos"])
         self.frame.copy_(saved["frame"])
