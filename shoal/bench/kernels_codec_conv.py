@@ -159,12 +159,68 @@ def profile_call(codec, batch: int, frames: int, dev) -> dict:
     return {"batch": batch, "frames": frames, "families_ms": fam, "top_kernels_ms": top}
 
 
+def trace_call(codec, batch: int, frames: int, dev) -> dict:
+    """Every GPU kernel of one eager streaming call, in launch order, with its duration."""
+    from ..codec.streaming import StreamingDecoder
+
+    dec = StreamingDecoder(codec)
+    codes = random_codes(batch, frames, dev, seed=5)
+    st = dec.new_state(batch)
+    with torch.no_grad():
+        for _ in range(2):
+            dec.decode_chunk(codes, st)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            dec.decode_chunk(codes, st)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if getattr(e, "device_type", None) is not None
+               and e.device_type.name == "CUDA"]
+    kernels.sort(key=lambda e: e.time_range.start)
+    seq = [(e.name[:70], round(e.time_range.elapsed_us(), 1)) for e in kernels]
+    return {"batch": batch, "frames": frames, "kernels": seq, "total_us": sum(d for _, d in seq)}
+
+
+def epilogue_call(codec, batch: int, frames: int, dev, dtype, channels=(96, 192)) -> list[dict]:
+    """Each stride-1 conv shape of a call timed as a plain conv, with the Snake epilogue only,
+    and with residual + output + Snake; beside it the separate Snake kernel on its output."""
+    from ..kernels.codec_conv import conv1d_cl_triton
+    from ..kernels.snake import snake
+
+    rows = []
+    seen = set()
+    for s in record_shapes(codec, batch, frames, dev):
+        key = (s["c_in"], s["c_out"], s["k"], s["dilation"], s["l_in"])
+        if key in seen or s["c_out"] < 8 or s["dilation"] != 1 or s["c_in"] not in channels:
+            continue
+        seen.add(key)
+        B, Ci, Co, K, d, L = s["batch"], s["c_in"], s["c_out"], s["k"], s["dilation"], s["l_in"]
+        Lo = L - (K - 1) * d
+        x = torch.randn(B, L, Ci, device=dev, dtype=dtype).transpose(1, 2)
+        w = (torch.randn(K, Ci, Co, device=dev, dtype=dtype) / (K * Ci) ** 0.5).contiguous()
+        bias = torch.randn(Co, device=dev, dtype=dtype)
+        alpha = torch.rand(Co, device=dev, dtype=dtype) + 0.5
+        res = torch.randn(B, Lo, Co, device=dev, dtype=dtype).transpose(1, 2)
+        out = torch.empty_like(res)
+        sn = torch.empty_like(res)
+        r = {"shape": key, "batch": B}
+        r["plain_us"] = graph_time_us(lambda: conv1d_cl_triton(x, w, bias, d, out=out))
+        r["snake_only_us"] = graph_time_us(lambda: conv1d_cl_triton(x, w, bias, d, snake_alpha=alpha,
+                                                                  snake_out=sn, write_out=False))
+        r["res_out_snake_us"] = graph_time_us(lambda: conv1d_cl_triton(x, w, bias, d, residual=res, out=out,
+                                                                     snake_alpha=alpha, snake_out=sn))
+        r["separate_snake_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
+        log(f"epilogue {key} B={B}: plain {r['plain_us']:.1f} snake-only {r['snake_only_us']:.1f} "
+            f"res+out+snake {r['res_out_snake_us']:.1f} separate snake {r['separate_snake_us']:.1f} us")
+        rows.append(r)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="codec-conv.json")
     p.add_argument("--points", default="64x32,64x8,1x8", help="batch x chunk frames")
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--skip", default="", help="comma list: convs,decode,profile")
+    p.add_argument("--skip", default="", help="comma list: convs,decode,epilogue,trace,profile")
     p.add_argument("--backends", default="cudnn_ncl,cudnn_nlc,triton")
     p.add_argument("--configs", default="sweep", help="sweep (12 tile configs) or table (the shipped one)")
     p.add_argument("--min-k", type=int, default=1, help="only convs with at least this many taps")
@@ -227,6 +283,23 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r.get('audio_s_per_s', 0):.0f} audio s/s")
                 save()
                 torch.cuda.empty_cache()
+    if "epilogue" not in skip:
+        B, T = points[-1]
+        codec.configure_serving(**BACKENDS["cudnn_nlc"])  # shapes are recorded on the cuDNN path
+        out["epilogue"] = epilogue_call(codec, B, T, dev, dtype)
+        save()
+    if "trace" not in skip:
+        B, T = points[-1]
+        out["trace"] = []
+        for name in args.backends.split(","):
+            codec.configure_serving(**BACKENDS[name])
+            r = trace_call(codec, B, T, dev)
+            r["backend"] = name
+            out["trace"].append(r)
+            log(f"trace {name} B={B} T={T}: {len(r['kernels'])} kernels, {r['total_us'] / 1e3:.2f} ms")
+            for k, us in r["kernels"]:
+                log(f"   {us:9.1f} us  {k}")
+            save()
     if "profile" not in skip:
         for name, kw in (("cudnn_ncl", {"channels_last": False, "triton_conv": False}),
                          ("triton", {"channels_last": True, "triton_conv": True})):

@@ -82,7 +82,8 @@ class Engine:
         self.prefill_buckets = default_prefill_buckets(cfg.prefill_chunk)
         self.audio: AudioWorker | None = None
         if codec is not None:
-            threaded = cfg.audio_thread if cfg.audio_thread is not None else on_cuda
+            threaded = (cfg.audio_thread if cfg.audio_thread is not None
+                        else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule)
             if on_cuda and cfg.num_blocks is None:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
