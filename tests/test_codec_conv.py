@@ -35,7 +35,7 @@ SHAPES = {
     "k1_short": (2, 8, 70, 1, 1, 5, False, True),
 }
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
-                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32"])
+                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -72,7 +72,7 @@ def _conv_case(dt_name: str, shape: str) -> dict:
     return {"checks": checks, "flags": flags}
 
 
-def _golden_decode_case() -> dict:
+def _golden_decode_case(snake_epilogue: bool = True) -> dict:
     from safetensors.torch import load_file
 
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
@@ -82,7 +82,7 @@ def _golden_decode_case() -> dict:
     codes = golden["decode_encoded.input_codes"][None][..., :8]  # causal: a prefix decodes to a prefix
     wave = golden["decode_encoded.waveform"].flatten()
     ref = codec.decode(codes)  # the module path: F.conv1d channels-first
-    codec.configure_serving(channels_last=True, triton_conv=True)
+    codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue)
     out = codec.decode(codes)
     dec = StreamingDecoder(codec)
     st = dec.new_state(1)
@@ -106,6 +106,8 @@ def _kernel_used(codec) -> bool:
 def _interp_case(name: str) -> dict:
     if name == "golden_decode_fp32":
         return _golden_decode_case()
+    if name == "golden_decode_fp32_separate_snakes":
+        return _golden_decode_case(snake_epilogue=False)
     if name.startswith("flat_"):  # the (tap, channel-slice) single-loop variant
         os.environ["SHOAL_CODEC_CONV_FLAT"] = "1"
         try:
@@ -125,7 +127,7 @@ def interp_results():
 
 @pytest.mark.parametrize("name", INTERP_CASES)
 def test_codec_conv_interpreter(interp_results, name):
-    if name == "golden_decode_fp32" and not (TINY / "codec.pth").is_file():
+    if name.startswith("golden_decode_fp32") and not (TINY / "codec.pth").is_file():
         pytest.skip("golden vectors not available")
     assert_case(interp_results[name], need_any=True)
 
@@ -196,8 +198,9 @@ def test_gpu_conv_matches_reference(dtype, shape):
 
 @gpu
 @pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
+@pytest.mark.parametrize("snake_epilogue", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_triton_decoder_matches_cudnn_decoder(dtype):
+def test_gpu_triton_decoder_matches_cudnn_decoder(dtype, snake_epilogue):
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
 
     codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cuda", dtype=dtype)
@@ -208,7 +211,7 @@ def test_gpu_triton_decoder_matches_cudnn_decoder(dtype):
     torch.backends.cudnn.allow_tf32 = False
     try:
         ref = codec.decode(codes).float()
-        codec.configure_serving(channels_last=True, triton_conv=True)
+        codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue)
         out = codec.decode(codes).float()
         dec = StreamingDecoder(codec)
         st = dec.new_state(3)

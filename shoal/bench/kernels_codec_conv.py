@@ -24,7 +24,8 @@ from .kernels_sampling import _graph_us as graph_time_us
 
 BACKENDS = {"cudnn_ncl": {"channels_last": False, "triton_conv": False},
             "cudnn_nlc": {"channels_last": True, "triton_conv": False},
-            "triton": {"channels_last": True, "triton_conv": True}}
+            "triton": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
+            "triton_epilogue": {"channels_last": True, "triton_conv": True, "snake_epilogue": True}}
 
 CONFIGS = [  # (BT, BN, BC, warps, stages)
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if "profile" not in skip:
         for name, kw in (("cudnn_ncl", {"channels_last": False, "triton_conv": False}),
-                         ("triton", {"channels_last": True, "triton_conv": True})):
+                         ("triton", BACKENDS["triton"])):
             codec.configure_serving(**kw)
             B, T = points[0]
             r = profile_call(codec, B, T, dev)

@@ -88,10 +88,13 @@ class Decoder(StreamingModule):
         self.model = Seq(*layers)
         self.fused = True  # Codec.configure_serving(fused=False): the module-by-module path
         self.channels_last = False
+        # Triton convs: Snakes in the conv epilogues (_forward_triton) rather than separate
+        # kernels; measured slower on an H200 (docs/benchmarks.md), so off by default
+        self.snake_epilogue = False
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if self.fused:
-            if self.triton_conv and use_triton(x):
+            if self.triton_conv and self.snake_epilogue and use_triton(x):
                 return self._forward_triton(x, state)
             return self._forward_fused(x, state)
         return self.model(x, state)
@@ -409,7 +412,7 @@ class Codec(nn.Module):
         return self.quantizer.decode(self._check_codes(codes), state, rope)
 
     def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
-                          triton_conv: bool | None = None) -> "Codec":
+                          triton_conv: bool | None = None, snake_epilogue: bool | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -417,9 +420,13 @@ class Codec(nn.Module):
         convolutions run as channels-last conv2d over activations stored [B, L, C] (cuDNN
         often prefers NHWC for tensor cores); needs ``fused``. ``triton_conv``: the decoder's
         stride-1 convolutions run as the Triton implicit-GEMM kernel of
-        :mod:`shoal.kernels.codec_conv` (CUDA or the Triton interpreter; needs ``channels_last``;
-        transposed convs stay on cuDNN).
+        :mod:`shoal.kernels.codec_conv` (CUDA or the Triton interpreter; needs ``channels_last``),
+        and the transposed convs as 2-tap GEMMs. ``snake_epilogue`` (with ``triton_conv``): each
+        Snake computed in the epilogue of the conv before it instead of by the separate fused
+        Snake kernel (``Decoder._forward_triton``; same numbers, slower on an H200).
         """
+        if snake_epilogue is not None:
+            self.decoder.snake_epilogue = bool(snake_epilogue)
         if fused is not None:
             self.decoder.fused = bool(fused)
         if channels_last is not None:

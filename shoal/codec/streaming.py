@@ -327,7 +327,8 @@ def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> Strea
     from ..kernels.codec_conv import codec_conv_enabled
 
     if codec.device.type == "cuda" and codec_conv_enabled():
-        codec.configure_serving(channels_last=True, triton_conv=True)
+        codec.configure_serving(channels_last=True, triton_conv=True,
+                                snake_epilogue=os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0") == "1")
     elif os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
         codec.configure_serving(channels_last=os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", ""),
                                 triton_conv=False)
