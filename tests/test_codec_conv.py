@@ -161,6 +161,19 @@ def test_triton_conv_needs_channels_last():
         codec.configure_serving(channels_last=False, triton_conv=True)
 
 
+def test_serving_default_by_dtype(monkeypatch):
+    """Unset: Triton convs for 16-bit codecs only (measured there); 1 forces, 0 refuses."""
+    if not cc.HAS_TRITON:
+        pytest.skip("triton not installed")
+    monkeypatch.delenv("SHOAL_CODEC_TRITON_CONV", raising=False)
+    assert cc.codec_conv_enabled(torch.bfloat16) and cc.codec_conv_enabled(torch.float16)
+    assert not cc.codec_conv_enabled(torch.float32)
+    monkeypatch.setenv("SHOAL_CODEC_TRITON_CONV", "1")
+    assert cc.codec_conv_enabled(torch.float32)
+    monkeypatch.setenv("SHOAL_CODEC_TRITON_CONV", "0")
+    assert not cc.codec_conv_enabled(torch.bfloat16)
+
+
 def test_config_env_override(monkeypatch):
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2")
     assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2)

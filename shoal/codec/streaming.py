@@ -320,13 +320,14 @@ class GraphedStreamingDecoder(StreamingDecoder):
 def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> StreamingDecoder:
     """The streaming decoder for serving: CUDA graphs on a CUDA codec unless disabled
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
-    ``SHOAL_CODEC_TRITON_CONV=1`` runs the decoder's convolutions on CUDA as the Triton
-    implicit-GEMM kernels with the Snakes fused into their epilogues
-    (:mod:`shoal.kernels.codec_conv`, channels-last; opt-in for now); otherwise cuDNN, with
+    On CUDA a bf16 / fp16 codec's convolutions run as the Triton implicit-GEMM kernels
+    (:mod:`shoal.kernels.codec_conv`, channels-last, separate fused Snake kernels;
+    ``SHOAL_CODEC_CONV_EPILOGUE=1`` moves the Snakes into the conv epilogues, slower on an H200);
+    ``SHOAL_CODEC_TRITON_CONV=1`` forces them for fp32 too, ``=0`` gives cuDNN, with
     ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
     from ..kernels.codec_conv import codec_conv_enabled
 
-    if codec.device.type == "cuda" and codec_conv_enabled():
+    if codec.device.type == "cuda" and codec_conv_enabled(next(codec.parameters()).dtype):
         codec.configure_serving(channels_last=True, triton_conv=True,
                                 snake_epilogue=os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0") == "1")
     elif os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
