@@ -223,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)
     bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "fp8", "profile",
-                                          "codec"],
+                                          "codec", "interference"],
                        help="engine: concurrency sweep; serve: HTTP load on a running server; gate: perf "
-                            "regression gate; live: WebSocket TTFA sweep; attention/fused/profile: kernels")
+                            "regression gate; live: WebSocket TTFA sweep; attention/fused/profile: kernels; "
+                            "codec: codec decode; interference: LLM step vs concurrent codec load")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark options (see shoal bench WHICH -h)")
     bench.set_defaults(func=cmd_bench)
     return parser
@@ -236,7 +237,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     module = {"engine": "engine", "serve": "serve", "gate": "gate", "live": "live",
               "attention": "kernels_attention", "fused": "kernels_fused", "fp8": "kernels_fp8",
-              "profile": "profile_step", "codec": "codec"}[args.which]
+              "profile": "profile_step", "codec": "codec",
+              "interference": "interference"}[args.which]
     return importlib.import_module(f".bench.{module}", __package__).main(args.rest)
 
 

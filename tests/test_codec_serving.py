@@ -288,6 +288,23 @@ def test_bench_codec_smoke(tmp_path):
     assert "reference" in res
 
 
+def test_bench_interference_smoke(tmp_path):
+    """The LLM-step-vs-codec-load benchmark runs end to end (CPU: eager, no streams) and
+    reports both sides alone and under load."""
+    import json
+
+    from shoal.bench import interference
+
+    out = tmp_path / "interference.json"
+    assert interference.main(["--device", "cpu", "--shape", "tiny", "--batch", "2", "--codec", "2x4",
+                              "--seconds", "0.2", "--context", "40", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["codec_call_ms_alone"] > 0 and len(res["runs"]) == 1
+    run = res["runs"][0]
+    assert run["step_ms_alone"] > 0 and run["frames_per_s_loaded"] > 0
+    assert run["codec_audio_s_per_s_loaded"] > 0 and 0 < run["sharing"] < 4
+
+
 # --------------------------------------------------------------------------------------
 # GPU
 # --------------------------------------------------------------------------------------
