@@ -193,9 +193,10 @@ if HAS_TRITON:
             return _Wrap(_conv_kernel)
         # lengths and tile counts change with every chunk size: one compiled variant serves
         # them all. Strides stay specialized: the batch strides are multiples of the channel
-        # count (a multiple of 16 in every codec), and only a stride known to be divisible by
-        # 16 lets Triton prove the tiles 16-byte aligned and issue vector loads and stores
-        # (unspecialized batch strides made every conv 3-6x slower on an H200).
+        # count (a multiple of 16 in the real codec, so no length compiles a new variant), and
+        # only a stride known to be divisible by 16 lets Triton prove the tiles 16-byte
+        # aligned and issue vector loads and stores (unspecialized batch strides made every
+        # conv 3-6x slower on an H200).
         return _Wrap(_conv_kernel, do_not_specialize=["L_out", "n_tb", "n_nb"])
 
 
