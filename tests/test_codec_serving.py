@@ -50,9 +50,42 @@ def snake_inputs(B, C, L, dtype, seed, channels_last=False):
 
 INTERP_CASES = [f"{dt}_{lay}_{mode}" for dt in ("fp32", "bf16") for lay in ("nct", "ntc")
                 for mode in ("plain", "add", "bias", "add_bias_out")]
+INTERP_CASES += [f"{dt}_flat_{mode}" for dt in ("fp32", "bf16") for mode in ("plain", "add_bias_out")]
+
+
+def _flat_case(dt_name, mode):
+    """The flat channels-last kernel (SHOAL_SNAKE_FLAT=1): bit-equal to the tiled kernel, and
+    within the reference's tolerance; ``add_bias_out`` writes into a channels-last conv buffer
+    after 11 context samples (batch stride != L * C)."""
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
+    x, y, alpha, bias = snake_inputs(2, 37, 301, dt, 11 if mode == "plain" else 12, channels_last=True)
+    yy, bb = (y, bias) if mode == "add_bias_out" else (None, None)
+    outs = {}
+    for flat in ("0", "1"):
+        os.environ["SHOAL_SNAKE_FLAT"] = flat
+        buf = torch.full((2, 312, 37), 7.0, dtype=dt).transpose(1, 2)
+        out = buf[..., 11:] if mode == "add_bias_out" else None
+        s, h = sk.snake_triton(x, alpha, yy, bb, out=out, write_h=True)
+        outs[flat] = (s.clone(), h.clone(), buf)
+    os.environ.pop("SHOAL_SNAKE_FLAT")
+    (s0, h0, _), (s1, h1, buf) = outs["0"], outs["1"]
+    rs, rh = sk.snake_ref(x, alpha, yy, bb)
+    flags = {"flat_layout": sk._flat_rows(37, x, yy, buf[..., 11:] if mode == "add_bias_out" else s1),
+             "flat_equals_tiled": torch.equal(s0, s1) and torch.equal(h0, h1), "h_exact": torch.equal(h1, rh)}
+    if mode == "add_bias_out":
+        flags["context_untouched"] = bool((buf[..., :11] == 7).all())
+    if dt == torch.float32:
+        checks = {"rel_err": ((s1 - rs).abs().max().item() / rs.abs().max().item(), 1e-6)}
+    else:
+        u = ulp_diff(s1, rs)
+        checks = {"max_ulp": (float(u.max()), 1.0), "mismatch_frac": ((u > 0).float().mean().item(), 1e-2)}
+    return {"checks": checks, "flags": flags}
 
 
 def _interp_case(name):
+    if "_flat_" in name:
+        dt_name, _, mode = name.split("_", 2)
+        return _flat_case(dt_name, mode)
     dt_name, lay, mode = name.split("_", 2)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
     x, y, alpha, bias = snake_inputs(2, 37, 301, dt, zlib.crc32(name.encode()) % 1000, channels_last=lay == "ntc")
@@ -312,9 +345,10 @@ def test_bench_interference_smoke(tmp_path):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("channels_last", [False, True])
-def test_gpu_snake_kernel(dtype, channels_last):
-    x, y, alpha, bias = snake_inputs(1, 96, 600001, dtype, 5, channels_last)  # > 65535 L-blocks
+@pytest.mark.parametrize("layout", ["nct", "ntc", "ntc_flat"])
+def test_gpu_snake_kernel(dtype, layout, monkeypatch):
+    monkeypatch.setenv("SHOAL_SNAKE_FLAT", "1" if layout == "ntc_flat" else "0")
+    x, y, alpha, bias = snake_inputs(1, 96, 600001, dtype, 5, layout != "nct")  # > 65535 L-blocks
     x, y, alpha, bias = (t.cuda() for t in (x, y, alpha, bias))
     s, h = sk.snake(x, alpha, y, bias, write_h=True)
     rs, rh = sk.snake_ref(x, alpha, y, bias)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -210,8 +211,17 @@ def epilogue_call(codec, batch: int, frames: int, dev, dtype, channels=(96, 192)
         r["res_out_snake_us"] = graph_time_us(lambda: conv1d_cl_triton(x, w, bias, d, residual=res, out=out,
                                                                      snake_alpha=alpha, snake_out=sn))
         r["separate_snake_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
+        os.environ["SHOAL_SNAKE_FLAT"] = "1"  # the flat 1-D Snake kernel on the same tensors
+        try:
+            r["separate_snake_flat_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
+            r["separate_snake_flat_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
+        finally:
+            os.environ.pop("SHOAL_SNAKE_FLAT")
+        r["separate_snake_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
         log(f"epilogue {key} B={B}: plain {r['plain_us']:.1f} snake-only {r['snake_only_us']:.1f} "
-            f"res+out+snake {r['res_out_snake_us']:.1f} separate snake {r['separate_snake_us']:.1f} us")
+            f"res+out+snake {r['res_out_snake_us']:.1f} separate snake {r['separate_snake_us']:.1f} "
+            f"(flat {r['separate_snake_flat_us']:.1f}), with residual {r['separate_snake_residual_us']:.1f} "
+            f"(flat {r['separate_snake_flat_residual_us']:.1f}) us")
         rows.append(r)
     return rows
 

@@ -117,9 +117,62 @@ if HAS_TRITON:
 
     _snake_math = _Wrap(_snake_math_impl)
 
+    def _snake_flat_kernel(
+        x_ptr, y_ptr, b_ptr, a_ptr, o_ptr, h_ptr,
+        N, n_eblocks, sxb, syb, sob, shb,
+        C: tl.constexpr,
+        HAS_Y: tl.constexpr,
+        HAS_B: tl.constexpr,
+        WRITE_H: tl.constexpr,
+        BLOCK: tl.constexpr,
+        DT: tl.constexpr,
+        ACCURATE_SIN: tl.constexpr,
+    ):
+        """Channels-last rows, each batch row one contiguous [L, C] block of N = L*C elements:
+        a flat 1-D tile per program (full-width vector loads, no padded channel lanes), the
+        channel of element e being e % C."""
+        pid = tl.program_id(0)  # B * n_eblocks < 2**31
+        b = (pid // n_eblocks).to(tl.int64)
+        e = (pid % n_eblocks) * BLOCK + tl.arange(0, BLOCK)
+        m = e < N
+        c = e % C
+        h = tl.load(x_ptr + b * sxb + e, mask=m, other=0.0).to(tl.float32)
+        if HAS_Y:
+            yv = tl.load(y_ptr + b * syb + e, mask=m, other=0.0).to(tl.float32)
+            h = _round(h + yv, DT)
+        if HAS_B:
+            bv = tl.load(b_ptr + c, mask=m, other=0.0).to(tl.float32)
+            h = _round(h + bv, DT)
+        a = tl.load(a_ptr + c, mask=m, other=1.0).to(tl.float32)
+        s = _snake_math(h, a, DT, ACCURATE_SIN)
+        tl.store(o_ptr + b * sob + e, s.to(o_ptr.dtype.element_ty), mask=m)
+        if WRITE_H:
+            tl.store(h_ptr + b * shb + e, h.to(h_ptr.dtype.element_ty), mask=m)
+
     @functools.cache
     def _kernel():
         return _Wrap(_snake_kernel)
+
+    @functools.cache
+    def _flat_kernel():
+        return _Wrap(_snake_flat_kernel)
+
+
+_FLAT_BLOCK = 2048
+
+
+def _flat_rows(C: int, *ts: Tensor | None) -> bool:
+    """Every given tensor stores each batch row as one contiguous [L, C] block (channels-last;
+    any batch stride, e.g. a conv buffer after its carried left context)."""
+    return C > 1 and all(t is None or (t.stride(1) == 1 and t.stride(2) == C) for t in ts)
+
+
+def _flat_enabled() -> bool:
+    """``SHOAL_SNAKE_FLAT=1``: channels-last Snakes run the flat 1-D kernel (same numbers as the
+    tiled one; opt-in until measured on a GPU)."""
+    import os
+
+    return os.environ.get("SHOAL_SNAKE_FLAT", "0") == "1"
 
 
 def _tile(t: Tensor) -> tuple[int, int]:
@@ -155,10 +208,21 @@ def snake_triton(x: Tensor, alpha: Tensor, y: Tensor | None = None, bias: Tensor
         raise ValueError(f"h_out must be {tuple(x.shape)} {x.dtype}")
     if x.numel() == 0:
         return out, h_out
-    bc, bl = _tile(x)
-    n_cb = triton.cdiv(C, bc)
     yy = y if y is not None else x
     hh = h_out if h_out is not None else out
+    if _flat_enabled() and _flat_rows(C, x, y, out, h_out):
+        n = L * C
+        n_eb = triton.cdiv(n, _FLAT_BLOCK)
+        _flat_kernel()[(B * n_eb,)](
+            x, yy, bv if bv is not None else a, a, out, hh,
+            n, n_eb, x.stride(0), yy.stride(0), out.stride(0), hh.stride(0),
+            C=C, HAS_Y=y is not None, HAS_B=bv is not None, WRITE_H=h_out is not None,
+            BLOCK=_FLAT_BLOCK, DT=_DT_CODE[x.dtype], ACCURATE_SIN=not interpret,
+            **_launch_opts(4),
+        )
+        return out, h_out
+    bc, bl = _tile(x)
+    n_cb = triton.cdiv(C, bc)
     n_lb = triton.cdiv(L, bl)
     _kernel()[(B * n_cb * n_lb,)](
         x, yy, bv if bv is not None else a, a, out, hh,
