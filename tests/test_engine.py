@@ -165,13 +165,14 @@ def test_multibatch_dialogue_through_the_engine(s2, voice):
     assert eng.pool.hit_tokens > 0  # batch 1's prompt extends batch 0's sequence
 
 
-@pytest.mark.parametrize("audio_thread", [False, True])
-def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread):
+@pytest.mark.parametrize("audio_thread,max_call", [(False, 32), (True, 32), (False, 1), (True, None)])
+def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread, max_call):
     model, tok, ckpt = s2
     codec = load_codec(ckpt / "codec.pth")
     eng = Engine(model, tok.im_end_id, codec=codec,
                  config=EngineConfig(max_running=3, num_blocks=64, audio_thread=audio_thread,
-                                     audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8)))
+                                     audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                                     audio_max_call_streams=max_call))
     for i in range(3):
         eng.add_request(EngineRequest(session=session(tok, i, voice), params=SAMPLED, seed=i,
                                       max_new_tokens=13 + i, stream_audio=True, request_id=f"a{i}"))
@@ -190,6 +191,51 @@ def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread):
         assert streamed.shape == ref.shape
         assert np.abs(streamed - ref).max() < 1e-4
         assert done[rid].timings["first_audio_s"] <= done[rid].timings["total_s"]
+
+
+def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
+    """First chunks (no audio yet: overdue) go before a playing stream's next chunk, oldest
+    first; a call takes at most max_call_streams streams of one chunk size; a stream's deadline
+    is when its delivered audio finishes playing."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    now = [0.0]
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 4, ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                       max_call_streams=2, clock=lambda: now[0])
+    calls = []
+    real = st._decode
+
+    def spy(rids, n):
+        calls.append((n, list(rids)))
+        return real(rids, n)
+
+    st._decode = spy
+    frames = np.zeros((10, 1), np.int64)
+    st.push("old", np.repeat(frames, 2, 1))
+    assert [r for r, _ in st.decode_ready()[0]] == ["old"]
+    chunk_s = 2 * 2048 / st.sample_rate
+    assert st.play_end["old"] == pytest.approx(chunk_s)  # delivered at t=0, plays 2 frames
+    st.push("old", np.repeat(frames, 4, 1))  # its next chunk (4 frames) is complete
+    for i, rid in enumerate(["n3", "n1", "n2"]):  # first chunks, arriving in this order
+        now[0] = 0.01 * (i + 1)
+        st.push(rid, np.repeat(frames, 2, 1))
+    assert st.next_call() == (2, ["n3", "n1"])
+    calls.clear()
+    audio, failed = st.decode_ready(max_calls=1)
+    assert not failed and [r for r, _ in audio] == ["n3", "n1"] and calls == [(2, ["n3", "n1"])]
+    audio, _ = st.decode_ready()
+    assert calls[1:] == [(2, ["n2"]), (4, ["old"])]  # n2 is overdue; old still has audio playing
+    assert [len(p) for _, p in audio] == [2 * 2048, 4 * 2048]
+    # old's audio ran out before this delivery: playback restarts at delivery
+    now[0] = 1.0
+    st.push("old", np.repeat(frames, 8, 1))
+    st.decode_ready()
+    assert st.play_end["old"] == pytest.approx(1.0 + 8 * 2048 / st.sample_rate)
+    st.finish("old")
+    assert "old" not in st.play_end and "old" not in st.since
+    with pytest.raises(ValueError, match="max_call_streams"):
+        AudioStreamer(load_codec(ckpt / "codec.pth"), 2, max_call_streams=0)
 
 
 @pytest.mark.parametrize("audio_thread", [False, True])

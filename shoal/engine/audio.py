@@ -5,10 +5,17 @@ contexts and windowed-attention KV), so every frame is decoded exactly once. The
 a request leaves after ``ChunkSchedule.first`` frames; later chunks grow geometrically up to
 ``max_frames`` (small first chunk = low time to first audio; large later chunks = efficient
 batched decode). Requests whose next chunk has the same size are decoded in one call.
+
+Codec calls are scheduled earliest deadline first: a stream's deadline is the moment the audio
+it has received so far finishes playing (a stream with no audio yet is due now), so first
+chunks go ahead of the later chunks of streams that are still playing. A call decodes at most
+``max_call_streams`` streams, and the threaded worker re-reads its inbox after every call,
+so a first chunk waits behind at most one bounded call rather than behind every ready chunk.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +39,17 @@ class ChunkSchedule:
 
 
 class AudioStreamer:
-    def __init__(self, codec, max_streams: int, schedule: ChunkSchedule = ChunkSchedule()) -> None:
+    def __init__(self, codec, max_streams: int, schedule: ChunkSchedule = ChunkSchedule(),
+                 max_call_streams: int | None = 32, clock=time.perf_counter) -> None:
         schedule.validate()
+        if max_call_streams is not None and max_call_streams < 1:
+            raise ValueError("max_call_streams must be >= 1 (or None for no limit)")
         self.codec = codec
         self.schedule = schedule
+        self.max_call_streams = max_call_streams
+        self.clock = clock
+        self.play_end: dict[str, float] = {}  # when the audio delivered so far finishes playing
+        self.since: dict[str, float] = {}  # when a stream's first frames arrived
         self.decoder = serving_decoder(codec, max_batch=max_streams)  # CUDA graphs on GPU, else eager
         self.sample_rate = codec.sample_rate
         self.device = next(codec.parameters()).device
@@ -57,6 +71,7 @@ class AudioStreamer:
             self.pending[rid] = []
             self.chunks[rid] = 0
             self.schedules[rid] = schedule or self.schedule
+            self.since[rid] = self.clock()
         return row
 
     def warmup(self) -> None:
@@ -86,25 +101,56 @@ class AudioStreamer:
         pcm = audio[:, 0].float().cpu().numpy()
         return [pcm[i] for i in range(len(rids))]
 
-    def decode_ready(self) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
-        """Decode every stream whose next chunk is complete; one codec call per chunk size.
-        Returns ``(audio, failed)``: a codec call that raises (e.g. out of memory) releases its
-        streams and lists them as ``(rid, message)``; the other streams go on."""
-        by_size: dict[int, list[str]] = {}
+    def _ready(self) -> list[tuple[float, int, str, int]]:
+        """(deadline, row, rid, chunk frames) of every stream whose next chunk is complete."""
+        ready = []
         for rid, frames in self.pending.items():
-            have = sum(f.shape[1] for f in frames)
             need = self.schedules[rid].size(self.chunks[rid])
-            if have >= need:
-                by_size.setdefault(need, []).append(rid)
+            if sum(f.shape[1] for f in frames) >= need:
+                # no audio yet: due since its first frames arrived (overdue, so ahead of any
+                # stream that still has audio to play)
+                ready.append((self.play_end.get(rid, self.since[rid]), self.rows[rid], rid, need))
+        return ready
+
+    def has_ready(self) -> bool:
+        return bool(self._ready())
+
+    def next_call(self) -> tuple[int, list[str]] | None:
+        """The next codec call, ``(frames, rids)``: the most urgent ready stream and the other
+        ready streams of its chunk size, most urgent first, at most ``max_call_streams``."""
+        ready = sorted(self._ready())
+        if not ready:
+            return None
+        n = ready[0][3]
+        rids = [rid for _, _, rid, need in ready if need == n]
+        return n, rids[: self.max_call_streams] if self.max_call_streams else rids
+
+    def decode_ready(self, max_calls: int | None = None) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
+        """Decode ready chunks, most urgent first (see :meth:`next_call`), until none is left
+        or ``max_calls`` calls were made. Returns ``(audio, failed)``: a codec call that raises
+        (e.g. out of memory) releases its streams and lists them as ``(rid, message)``; the
+        other streams go on."""
         out: list[tuple[str, np.ndarray]] = []
         failed: list[tuple[str, str]] = []
-        for n, rids in sorted(by_size.items()):
+        calls = 0
+        while max_calls is None or calls < max_calls:
+            call = self.next_call()
+            if call is None:
+                break
+            n, rids = call
+            calls += 1
             try:
-                out.extend(zip(rids, self._decode(rids, n)))
+                pcms = self._decode(rids, n)
             except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
                 for rid in rids:
                     self.release(rid)
                     failed.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
+                continue
+            now = self.clock()
+            for rid, pcm in zip(rids, pcms):
+                # playback (re)starts at delivery if the stream ran dry
+                self.play_end[rid] = max(self.play_end.get(rid, now), now) + len(pcm) / self.sample_rate
+                out.append((rid, pcm))
         return out, failed
 
     def finish(self, rid: str) -> np.ndarray | None:
@@ -117,6 +163,8 @@ class AudioStreamer:
         self.pending.pop(rid, None)
         self.chunks.pop(rid, None)
         self.schedules.pop(rid, None)
+        self.play_end.pop(rid, None)
+        self.since.pop(rid, None)
         return pcm
 
     def release(self, rid: str) -> None:
@@ -125,6 +173,8 @@ class AudioStreamer:
             self.pending.pop(rid, None)
             self.chunks.pop(rid, None)
             self.schedules.pop(rid, None)
+            self.play_end.pop(rid, None)
+            self.since.pop(rid, None)
 
 
 class AudioWorker:
@@ -199,7 +249,7 @@ class AudioWorker:
         except queue.Empty:
             return cmds
 
-    def _process(self, cmds: list[tuple]) -> None:
+    def _process(self, cmds: list[tuple], max_calls: int | None = None) -> None:
         s = self.streamer
         for kind, rid, frames, schedule in cmds:
             if kind == "push":
@@ -216,7 +266,7 @@ class AudioWorker:
                 self._outbox.put(("done", rid))
             else:
                 s.release(rid)
-        audio, failed = s.decode_ready()
+        audio, failed = s.decode_ready(max_calls)
         for rid, pcm in audio:
             self._outbox.put(("audio", rid, pcm))
         for rid, msg in failed:
@@ -229,7 +279,9 @@ class AudioWorker:
         try:
             with ctx:
                 while True:
-                    first = self._inbox.get()
-                    self._process([first] + self._drain())
+                    # one codec call per round, then the inbox again: a first chunk that
+                    # arrives meanwhile is decoded next, not after every chunk that was ready
+                    cmds = self._drain() if self.streamer.has_ready() else [self._inbox.get()] + self._drain()
+                    self._process(cmds, max_calls=1)
         except BaseException as e:  # surfaced to the engine by poll()
             self._error = e

@@ -43,6 +43,9 @@ class EngineConfig:
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     audio_thread: bool | None = None  # codec on its own thread/stream (default: on CUDA)
+    # streams per codec call (most urgent first); bounds how long a first chunk can wait
+    # behind one call of other streams' later chunks; None = one call per chunk size
+    audio_max_call_streams: int | None = 32
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
     overlap_decode: bool | None = None
@@ -84,7 +87,7 @@ class Engine:
         if codec is not None:
             threaded = (cfg.audio_thread if cfg.audio_thread is not None
                         else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
-            streamer = AudioStreamer(codec, max_running, cfg.audio_schedule)
+            streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams)
             if on_cuda and cfg.num_blocks is None:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
