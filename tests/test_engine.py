@@ -236,6 +236,9 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     assert "old" not in st.play_end and "old" not in st.since
     with pytest.raises(ValueError, match="max_call_streams"):
         AudioStreamer(load_codec(ckpt / "codec.pth"), 2, max_call_streams=0)
+    from shoal.engine.audio import AudioWorker
+
+    AudioWorker(st).warmup()  # delegates to the streamer (a no-op for the eager CPU decoder)
 
 
 @pytest.mark.parametrize("audio_thread", [False, True])

@@ -208,8 +208,7 @@ class AudioWorker:
     # ------------------------------------------------------------------ engine side
     def warmup(self) -> None:
         """Capture the codec's CUDA graphs (every batch bucket x chunk size) before traffic."""
-        if hasattr(self.decoder, "warmup"):
-            self.decoder.warmup()
+        self.streamer.warmup()
 
     def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
         self._inbox.put(("push", rid, frames, schedule))
