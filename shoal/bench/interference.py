@@ -21,6 +21,7 @@ highest-priority stream and on a default one (``SHOAL_LLM_PRIORITY``). ``--devic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -115,7 +116,7 @@ def rates_together(llm, codec_call, dev, seconds: float) -> tuple[float, float]:
 
     def loop():
         try:
-            ctx = torch.cuda.stream(stream) if stream is not None else _null()
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
             with ctx:
                 codec_call()
                 _sync(dev)
@@ -171,14 +172,6 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

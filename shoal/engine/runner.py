@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import sys
 from dataclasses import dataclass
 
@@ -44,9 +45,8 @@ def llm_stream_priority() -> int:
     """Stream priority the LLM's graphs are captured with: the highest the device offers
     (``SHOAL_LLM_PRIORITY=0`` gives the default, i.e. the codec's). A codec decode on the audio
     thread launches large conv kernels; at equal priority a decode step's small kernels queue
-    behind their thread blocks, at high priority they take the next free SM."""
-    import os
-
+    behind their thread blocks, at high priority they take the next free SM. (The engine's
+    c=64 audio run measured no difference either way; docs/benchmarks.md.)"""
     if os.environ.get("SHOAL_LLM_PRIORITY", "1") in ("0", ""):
         return 0
     return -100  # torch maps values past the device's range to its highest priority

@@ -30,6 +30,7 @@ Launches depend on shapes only, so they can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
@@ -170,8 +171,6 @@ def _flat_rows(C: int, *ts: Tensor | None) -> bool:
 def _flat_enabled() -> bool:
     """``SHOAL_SNAKE_FLAT=1``: channels-last Snakes run the flat 1-D kernel (same numbers as the
     tiled one; opt-in until measured on a GPU)."""
-    import os
-
     return os.environ.get("SHOAL_SNAKE_FLAT", "0") == "1"
 
 
