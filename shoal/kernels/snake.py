@@ -209,7 +209,10 @@ def snake_triton(x: Tensor, alpha: Tensor, y: Tensor | None = None, bias: Tensor
         return out, h_out
     yy = y if y is not None else x
     hh = h_out if h_out is not None else out
-    if _flat_enabled() and _flat_rows(C, x, y, out, h_out):
+    # int32 element indices: batch rows below 2**31 elements (~500 s of audio at 96 channels);
+    # longer rows take the tiled kernel
+    if _flat_enabled() and _flat_rows(C, x, y, out, h_out) and L * C < 2**31 - _FLAT_BLOCK \
+            and B * triton.cdiv(L * C, _FLAT_BLOCK) < 2**31:
         n = L * C
         n_eb = triton.cdiv(n, _FLAT_BLOCK)
         _flat_kernel()[(B * n_eb,)](
