@@ -83,6 +83,11 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
     wave = golden["decode_encoded.waveform"].flatten()
     ref = codec.decode(codes)  # the module path: F.conv1d channels-first
     codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue)
+    used = []
+    dec_mod = codec.decoder
+    for name in ("_forward_triton", "_forward_fused"):
+        real = getattr(dec_mod, name)
+        setattr(dec_mod, name, (lambda real, name: lambda *a: (used.append(name), real(*a))[1])(real, name))
     out = codec.decode(codes)
     dec = StreamingDecoder(codec)
     st = dec.new_state(1)
@@ -94,7 +99,9 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
     checks = {"oneshot_vs_golden": ((out.flatten() - wave[: out.numel()]).abs().max().item(), 1e-5),
               "oneshot_vs_ref": ((out - ref).abs().max().item(), 1e-5),
               "stream_vs_ref": ((streamed - ref[..., : streamed.shape[-1]]).abs().max().item(), 1e-4)}
-    return {"checks": checks, "flags": {"used_kernel": _kernel_used(codec)}}
+    want = "_forward_triton" if snake_epilogue else "_forward_fused"
+    return {"checks": checks, "flags": {"used_kernel": _kernel_used(codec),
+                                        "decoder_path": bool(used) and set(used) == {want}}}
 
 
 def _kernel_used(codec) -> bool:
@@ -172,6 +179,10 @@ def test_serving_default_by_dtype(monkeypatch):
     assert cc.codec_conv_enabled(torch.float32)
     monkeypatch.setenv("SHOAL_CODEC_TRITON_CONV", "0")
     assert not cc.codec_conv_enabled(torch.bfloat16)
+    monkeypatch.setenv("SHOAL_CODEC_TRITON_CONV", "off")
+    assert not cc.codec_conv_enabled(torch.bfloat16)
+    monkeypatch.setenv("SHOAL_CODEC_TRITON_CONV", "")  # empty: auto, not "forced on"
+    assert not cc.codec_conv_enabled(torch.float32) and cc.codec_conv_enabled(torch.bfloat16)
 
 
 def test_config_env_override(monkeypatch):

@@ -60,18 +60,26 @@ def _flat_case(dt_name, mode):
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
     x, y, alpha, bias = snake_inputs(2, 37, 301, dt, 11 if mode == "plain" else 12, channels_last=True)
     yy, bb = (y, bias) if mode == "add_bias_out" else (None, None)
-    outs = {}
-    for flat in ("0", "1"):
-        os.environ["SHOAL_SNAKE_FLAT"] = flat
-        buf = torch.full((2, 312, 37), 7.0, dtype=dt).transpose(1, 2)
-        out = buf[..., 11:] if mode == "add_bias_out" else None
-        s, h = sk.snake_triton(x, alpha, yy, bb, out=out, write_h=True)
-        outs[flat] = (s.clone(), h.clone(), buf)
-    os.environ.pop("SHOAL_SNAKE_FLAT")
+    outs, launches = {}, []
+    real = sk._flat_kernel
+    sk._flat_kernel = lambda: (launches.append(1), real())[1]
+    try:
+        for flat in ("0", "1"):
+            os.environ["SHOAL_SNAKE_FLAT"] = flat
+            buf = torch.full((2, 312, 37), 7.0, dtype=dt).transpose(1, 2)
+            out = buf[..., 11:] if mode == "add_bias_out" else None
+            s, h = sk.snake_triton(x, alpha, yy, bb, out=out, write_h=True)
+            outs[flat] = (s.clone(), h.clone(), buf)
+            if flat == "0":
+                n_tiled = len(launches)
+    finally:
+        os.environ.pop("SHOAL_SNAKE_FLAT", None)
+        sk._flat_kernel = real
     (s0, h0, _), (s1, h1, buf) = outs["0"], outs["1"]
     rs, rh = sk.snake_ref(x, alpha, yy, bb)
     flags = {"flat_layout": sk._flat_rows(37, x, yy, buf[..., 11:] if mode == "add_bias_out" else s1),
-             "flat_equals_tiled": torch.equal(s0, s1) and torch.equal(h0, h1), "h_exact": torch.equal(h1, rh)}
+             "flat_equals_tiled": torch.equal(s0, s1) and torch.equal(h0, h1), "h_exact": torch.equal(h1, rh),
+             "dispatch": n_tiled == 0 and len(launches) == 1}  # the tiled run, then the flat one
     if mode == "add_bias_out":
         flags["context_untouched"] = bool((buf[..., :11] == 7).all())
     if dt == torch.float32:

@@ -241,6 +241,35 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     AudioWorker(st).warmup()  # delegates to the streamer (a no-op for the eager CPU decoder)
 
 
+def test_threaded_audio_worker_makes_one_call_per_round(s2):
+    """The worker thread decodes one codec call, then reads its inbox again (so a first chunk
+    that arrives meanwhile is next), rather than every ready chunk at once."""
+    import time
+
+    from shoal.engine.audio import AudioStreamer, AudioWorker
+
+    _, _, ckpt = s2
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 4, ChunkSchedule(first=2, growth=1.0, max_frames=2),
+                       max_call_streams=1)
+    seen = []
+    real = st.decode_ready
+
+    def spy(max_calls=None):
+        seen.append(max_calls)
+        return real(max_calls)
+
+    st.decode_ready = spy
+    worker = AudioWorker(st, threaded=True)
+    for rid in ("a", "b", "c"):
+        worker.push(rid, np.zeros((10, 2), np.int64))
+    got, deadline = [], time.monotonic() + 60
+    while len(got) < 3 and time.monotonic() < deadline:
+        got += [item for item in worker.poll(timeout=0.5) if item[0] == "audio"]
+    assert sorted(item[1] for item in got) == ["a", "b", "c"]
+    assert seen and set(seen) == {1}  # three streams, capped at one per call: at least three rounds
+    assert len(seen) >= 3
+
+
 @pytest.mark.parametrize("audio_thread", [False, True])
 def test_codec_failure_fails_only_that_request(s2, voice, audio_thread):
     """A codec call that raises (e.g. CUDA out of memory) fails the requests it was decoding with

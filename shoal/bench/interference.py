@@ -62,19 +62,33 @@ def decoding_engine(model, cfg, batch: int, context: int) -> Engine:
 
 class LLMStep:
     """One decode step of the engine's runner at a fixed batch: a graph replay on CUDA (the
-    graphs captured with the stream priority ``SHOAL_LLM_PRIORITY`` says), eager elsewhere."""
+    decode graphs re-captured with ``SHOAL_LLM_PRIORITY=priority``), eager elsewhere.
+    :meth:`rewind` puts the requests' positions and frame counters back where they were
+    between measurements. Steps past a request's prompt get no new blocks: their K/V go to the
+    scratch block that unused block-table entries name (values are irrelevant to timing)."""
 
     def __init__(self, eng: Engine, batch: int, priority: str | None) -> None:
         self.runner, self.batch = eng.runner, batch
-        self.cuda = eng.model.device.type == "cuda"
         self.graph = None
-        if self.cuda:
+        r = self.runner
+        if eng.model.device.type == "cuda":
+            before = os.environ.get("SHOAL_LLM_PRIORITY")
             if priority is not None:
                 os.environ["SHOAL_LLM_PRIORITY"] = priority
-            r = self.runner
-            r.graphs, r.prefill_graphs, r.capture_stream = {}, {}, None
-            r.capture_graphs(show_progress=False)
+            try:
+                r.graphs, r.capture_stream = {}, None
+                r._capture_decode_graphs(show_progress=False)
+            finally:
+                if before is None:
+                    os.environ.pop("SHOAL_LLM_PRIORITY", None)
+                else:
+                    os.environ["SHOAL_LLM_PRIORITY"] = before
             self.graph = r.graphs[r.bucket_for(batch)]
+        self._saved = (r.position.clone(), r.frame.clone())
+
+    def rewind(self) -> None:
+        self.runner.position.copy_(self._saved[0])
+        self.runner.frame.copy_(self._saved[1])
 
     def __call__(self) -> None:
         if self.graph is not None:
@@ -85,8 +99,10 @@ class LLMStep:
 
 
 def _sync(dev) -> None:
+    """Wait for this thread's stream only (a device-wide sync would also wait for the codec's
+    work on the other thread's stream)."""
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+        torch.cuda.current_stream(dev).synchronize()
 
 
 def rate_alone(fn, dev, seconds: float) -> float:
@@ -223,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     for prio in prios:
         llm = LLMStep(eng, args.batch, prio)
         alone = rate_alone(llm, dev, args.seconds)
+        llm.rewind()
         llm_rate, codec_rate = rates_together(llm, codec_call, dev, args.seconds)
+        llm.rewind()
         run = {"llm_priority": prio, "step_ms_alone": 1e3 / alone, "frames_per_s_alone": alone * args.batch,
                "step_ms_loaded": 1e3 / llm_rate if llm_rate else float("inf"),
                "frames_per_s_loaded": llm_rate * args.batch,

@@ -583,7 +583,8 @@ class ModelRunner:
             buckets, self._prefill_body, buckets, "capturing prefill graphs", show_progress))
 
     def _capture_decode_graphs(self, show_progress: bool) -> None:
-        saved = {k: v.clone() for k, v in (("pos", self.position), ("frame", self.frame))}
+        saved = {k: v.clone() for k, v in (("pos", self.position), ("frame", self.frame),
+                                           ("slots", self.slot_ids))}
         self.graph_pool = torch.cuda.graph_pool_handle()
         buckets = sorted(self.buckets, reverse=True)
         with torch.inference_mode():
@@ -592,3 +593,4 @@ class ModelRunner:
             buckets, self._decode_body, buckets[:1] + buckets[-1:], "capturing CUDA graphs", show_progress))
         self.position.copy_(saved["pos"])
         self.frame.copy_(saved["frame"])
+        self.slot_ids.copy_(saved["slots"])  # a re-capture leaves the slots being decoded alone

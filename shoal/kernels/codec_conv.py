@@ -49,10 +49,12 @@ def codec_conv_enabled(dtype: torch.dtype | None = None) -> bool:
     (docs/benchmarks.md); fp32 codecs stay on cuDNN until measured."""
     if not HAS_TRITON:
         return False
-    mode = os.environ.get("SHOAL_CODEC_TRITON_CONV", "auto")
-    if mode == "auto":
-        return dtype in (torch.bfloat16, torch.float16)
-    return mode != "0"
+    mode = os.environ.get("SHOAL_CODEC_TRITON_CONV", "").strip().lower()
+    if mode in ("1", "true", "yes", "on"):
+        return True
+    if mode in ("0", "false", "no", "off"):
+        return False
+    return dtype in (torch.bfloat16, torch.float16)  # "", "auto" (anything else: auto too)
 
 
 def pack_conv_weight(weight: Tensor) -> Tensor:
