@@ -241,6 +241,31 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     AudioWorker(st).warmup()  # delegates to the streamer (a no-op for the eager CPU decoder)
 
 
+def test_failed_stream_takes_no_frames_until_released(s2):
+    """After a codec call fails for a stream, frames the engine pushed before it saw the error
+    do not restart the stream on a new row (no audio after the error summary)."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 2, ChunkSchedule(first=2, growth=1.0, max_frames=2))
+    real = st._decode
+
+    def boom(rids, n):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    st._decode = boom
+    st.push("x", np.zeros((10, 2), np.int64))
+    audio, failed = st.decode_ready()
+    assert not audio and [r for r, _ in failed] == ["x"]
+    st._decode = real
+    st.push("x", np.zeros((10, 2), np.int64))  # in flight when the codec failed
+    assert "x" not in st.rows and st.decode_ready() == ([], [])
+    assert len(st.free_rows) == 2
+    st.release("x")  # the engine failed the request; the id may be used afresh
+    st.push("x", np.zeros((10, 2), np.int64))
+    assert [r for r, _ in st.decode_ready()[0]] == ["x"]
+
+
 def test_threaded_audio_worker_makes_one_call_per_round(s2):
     """The worker thread decodes one codec call, then reads its inbox again (so a first chunk
     that arrives meanwhile is next), rather than every ready chunk at once."""

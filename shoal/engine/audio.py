@@ -50,6 +50,7 @@ class AudioStreamer:
         self.clock = clock
         self.play_end: dict[str, float] = {}  # when the audio delivered so far finishes playing
         self.since: dict[str, float] = {}  # when a stream's first frames arrived
+        self.failed: set[str] = set()  # streams whose codec call raised, not yet released
         self.decoder = serving_decoder(codec, max_batch=max_streams)  # CUDA graphs on GPU, else eager
         self.sample_rate = codec.sample_rate
         self.device = next(codec.parameters()).device
@@ -80,7 +81,11 @@ class AudioStreamer:
             self.decoder.warmup()
 
     def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
-        """Queue frames of ``rid``; ``schedule`` (first push only) overrides the default."""
+        """Queue frames of ``rid``; ``schedule`` (first push only) overrides the default.
+        Frames of a stream whose codec call failed are dropped until it is released or
+        finished (the engine is failing that request; a new row must not restart it)."""
+        if rid in self.failed:
+            return
         self._row(rid, schedule)
         self.pending[rid].append(frames)
 
@@ -144,6 +149,7 @@ class AudioStreamer:
             except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
                 for rid in rids:
                     self.release(rid)
+                    self.failed.add(rid)
                     failed.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
                 continue
             now = self.clock()
@@ -155,6 +161,7 @@ class AudioStreamer:
 
     def finish(self, rid: str) -> np.ndarray | None:
         """Decode whatever is left for ``rid`` and release its row."""
+        self.failed.discard(rid)
         if rid not in self.rows:
             return None
         have = sum(f.shape[1] for f in self.pending[rid])
@@ -168,6 +175,8 @@ class AudioStreamer:
         return pcm
 
     def release(self, rid: str) -> None:
+        """Free ``rid``'s row (a cancelled or failed request); it may start afresh later."""
+        self.failed.discard(rid)
         if rid in self.rows:
             self.free_rows.append(self.rows.pop(rid))
             self.pending.pop(rid, None)

@@ -387,7 +387,9 @@ class Engine:
             pending = self._audio_pending.get(rid)
             req = self.requests.get(rid) or (pending[0] if pending else None)
             if item[0] == "audio":
-                if req is not None and req.first_audio_time is None:
+                if req is None:  # its request already ended (e.g. failed): no audio after the summary
+                    continue
+                if req.first_audio_time is None:
                     req.first_audio_time = time.perf_counter()
                 out.append(AudioEvent(rid, item[2], self.audio.sample_rate))
             elif item[0] == "error":  # the codec failed on this request's audio
