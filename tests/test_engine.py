@@ -201,7 +201,7 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
 
     _, _, ckpt = s2
     now = [0.0]
-    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 4, ChunkSchedule(first=2, growth=2.0, max_frames=8),
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 6, ChunkSchedule(first=2, growth=2.0, max_frames=8),
                        max_call_streams=2, clock=lambda: now[0])
     calls = []
     real = st._decode
@@ -233,7 +233,20 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     st.decode_ready()
     assert st.play_end["old"] == pytest.approx(1.0 + 8 * 2048 / st.sample_rate)
     st.finish("old")
-    assert "old" not in st.play_end and "old" not in st.since
+    assert st.take_done() == ["old"]  # nothing left to decode: done at once, row freed
+    assert "old" not in st.play_end and "old" not in st.since and "old" not in st.rows
+    # finished streams' last, shorter chunks are batched like any other chunk size
+    calls.clear()
+    for rid in ("p", "q"):
+        st.push(rid, np.repeat(frames, 2, 1))
+    st.decode_ready()
+    for rid in ("p", "q"):
+        st.push(rid, np.repeat(frames, 3, 1))  # 3 of a 4-frame chunk, then the request ends
+        st.finish(rid)
+    assert st.take_done() == []  # audio still to decode
+    audio, _ = st.decode_ready()
+    assert calls[-1] == (3, ["p", "q"]) and [len(p) for _, p in audio] == [3 * 2048] * 2
+    assert st.take_done() == ["p", "q"] and len(st.free_rows) == 3  # n1, n2, n3 still hold theirs
     with pytest.raises(ValueError, match="max_call_streams"):
         AudioStreamer(load_codec(ckpt / "codec.pth"), 2, max_call_streams=0)
     from shoal.engine.audio import AudioWorker

@@ -51,6 +51,8 @@ class AudioStreamer:
         self.play_end: dict[str, float] = {}  # when the audio delivered so far finishes playing
         self.since: dict[str, float] = {}  # when a stream's first frames arrived
         self.failed: set[str] = set()  # streams whose codec call raised, not yet released
+        self.finishing: set[str] = set()  # all frames in; remaining chunks still to decode
+        self._done: list[str] = []
         self.decoder = serving_decoder(codec, max_batch=max_streams)  # CUDA graphs on GPU, else eager
         self.sample_rate = codec.sample_rate
         self.device = next(codec.parameters()).device
@@ -111,7 +113,10 @@ class AudioStreamer:
         ready = []
         for rid, frames in self.pending.items():
             need = self.schedules[rid].size(self.chunks[rid])
-            if sum(f.shape[1] for f in frames) >= need:
+            have = sum(f.shape[1] for f in frames)
+            if rid in self.finishing and 0 < have < need:
+                need = have  # the last, shorter chunk of a finished request
+            if have >= need and have > 0:
                 # no audio yet: due since its first frames arrived (overdue, so ahead of any
                 # stream that still has audio to play)
                 ready.append((self.play_end.get(rid, self.since[rid]), self.rows[rid], rid, need))
@@ -148,8 +153,10 @@ class AudioStreamer:
                 pcms = self._decode(rids, n)
             except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
                 for rid in rids:
+                    more = rid not in self.finishing  # the engine may still push frames
                     self.release(rid)
-                    self.failed.add(rid)
+                    if more:
+                        self.failed.add(rid)
                     failed.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
                 continue
             now = self.clock()
@@ -159,24 +166,29 @@ class AudioStreamer:
                 out.append((rid, pcm))
         return out, failed
 
-    def finish(self, rid: str) -> np.ndarray | None:
-        """Decode whatever is left for ``rid`` and release its row."""
+    def finish(self, rid: str) -> None:
+        """``rid`` has all its frames: its remaining chunks (the last one possibly shorter) are
+        decoded in deadline order like any other, batched with other streams of that size;
+        :meth:`take_done` then reports it and frees its row."""
         self.failed.discard(rid)
-        if rid not in self.rows:
-            return None
-        have = sum(f.shape[1] for f in self.pending[rid])
-        pcm = self._decode([rid], have)[0] if have else np.zeros(0, np.float32)
-        self.free_rows.append(self.rows.pop(rid))
-        self.pending.pop(rid, None)
-        self.chunks.pop(rid, None)
-        self.schedules.pop(rid, None)
-        self.play_end.pop(rid, None)
-        self.since.pop(rid, None)
-        return pcm
+        if rid in self.rows:
+            self.finishing.add(rid)
+        else:
+            self._done.append(rid)
+
+    def take_done(self) -> list[str]:
+        """Finished streams whose last audio is out (rows freed), in finishing order."""
+        for rid in list(self.finishing):
+            if not any(f.shape[1] for f in self.pending[rid]):
+                self.release(rid)
+                self._done.append(rid)
+        done, self._done = self._done, []
+        return done
 
     def release(self, rid: str) -> None:
         """Free ``rid``'s row (a cancelled or failed request); it may start afresh later."""
         self.failed.discard(rid)
+        self.finishing.discard(rid)
         if rid in self.rows:
             self.free_rows.append(self.rows.pop(rid))
             self.pending.pop(rid, None)
@@ -263,15 +275,7 @@ class AudioWorker:
             if kind == "push":
                 s.push(rid, frames, schedule)
             elif kind == "finish":
-                try:
-                    pcm = s.finish(rid)
-                except Exception as e:  # noqa: BLE001 - this request fails, the worker lives on
-                    s.release(rid)
-                    self._outbox.put(("error", rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
-                    continue
-                if pcm is not None and len(pcm):
-                    self._outbox.put(("audio", rid, pcm))
-                self._outbox.put(("done", rid))
+                s.finish(rid)
             else:
                 s.release(rid)
         audio, failed = s.decode_ready(max_calls)
@@ -279,6 +283,8 @@ class AudioWorker:
             self._outbox.put(("audio", rid, pcm))
         for rid, msg in failed:
             self._outbox.put(("error", rid, msg))
+        for rid in s.take_done():  # after the stream's last audio
+            self._outbox.put(("done", rid))
 
     def _loop(self) -> None:
         import contextlib

@@ -90,11 +90,13 @@ if HAS_TRITON:
         DT: tl.constexpr,
         ACCURATE_SIN: tl.constexpr,
     ):
-        pid = tl.program_id(0).to(tl.int64)  # one flat grid axis (2^31 programs; y/z stop at 65535)
+        # one flat grid axis (2^31 programs; y/z stop at 65535); the tile indices in int32 (a
+        # 64-bit division is a long instruction sequence), the offsets in int64
+        pid = tl.program_id(0)
         row = pid // n_lblocks
-        b = row // n_cblocks
-        c = (row % n_cblocks).to(tl.int32) * BC + tl.arange(0, BC)
-        l = (pid % n_lblocks) * BL + tl.arange(0, BL)
+        b = (row // n_cblocks).to(tl.int64)
+        c = (row % n_cblocks) * BC + tl.arange(0, BC)
+        l = ((pid % n_lblocks) * BL + tl.arange(0, BL)).to(tl.int64)
         cm = c < C
         m = cm[:, None] & (l < L)[None, :]
         c64 = c.to(tl.int64)
