@@ -51,7 +51,8 @@ class AudioStreamer:
         self.play_end: dict[str, float] = {}  # when the audio delivered so far finishes playing
         self.since: dict[str, float] = {}  # when a stream's first frames arrived
         self.failed: set[str] = set()  # streams whose codec call raised, not yet released
-        self.finishing: set[str] = set()  # all frames in; remaining chunks still to decode
+        # all frames in, remaining chunks still to decode (a dict: kept in finishing order)
+        self.finishing: dict[str, None] = {}
         self._done: list[str] = []
         self.decoder = serving_decoder(codec, max_batch=max_streams)  # CUDA graphs on GPU, else eager
         self.sample_rate = codec.sample_rate
@@ -172,7 +173,7 @@ class AudioStreamer:
         :meth:`take_done` then reports it and frees its row."""
         self.failed.discard(rid)
         if rid in self.rows:
-            self.finishing.add(rid)
+            self.finishing[rid] = None
         else:
             self._done.append(rid)
 
@@ -188,7 +189,7 @@ class AudioStreamer:
     def release(self, rid: str) -> None:
         """Free ``rid``'s row (a cancelled or failed request); it may start afresh later."""
         self.failed.discard(rid)
-        self.finishing.discard(rid)
+        self.finishing.pop(rid, None)
         if rid in self.rows:
             self.free_rows.append(self.rows.pop(rid))
             self.pending.pop(rid, None)
