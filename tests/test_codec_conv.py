@@ -222,8 +222,9 @@ def test_gpu_conv_matches_reference(dtype, shape):
 
 @gpu
 @pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
-@pytest.mark.parametrize("snake_epilogue", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# the epilogue variant (off by default) in fp32 only: each case compiles ~20 kernel variants
+@pytest.mark.parametrize("dtype,snake_epilogue", [(torch.float32, False), (torch.bfloat16, False),
+                                                  (torch.float32, True)])
 def test_gpu_triton_decoder_matches_cudnn_decoder(dtype, snake_epilogue):
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
 
