@@ -97,6 +97,7 @@ __all__ = [
     "quantize_act_ref",
     "quantize_act_triton",
     "quantize_weight_ref",
+    "set_tuned_table",
     "silu_mul_quant",
     "silu_mul_quant_ref",
     "silu_mul_quant_triton",
@@ -439,13 +440,39 @@ if HAS_TRITON:
         _quant_rows(h, q_ptr + m * stride_qm + offs_k, s_ptr + m * KB + offs_g, mask, offs_g < KB)
 
     @triton.jit
-    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB, stride_xm, stride_ym,
-                         kb_per_split,
+    def _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, y_offs, p_offs, mask, MN, pid_k, tile_id,
+                       SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+        """Store one program's fp32 tile ``acc``: SPLIT_K == 1: rounded to bf16 at ``y_ptr +
+        y_offs``; else the fp32 partial of split ``pid_k`` at ``part_ptr + pid_k * M * N +
+        p_offs`` (``MN = M * N``), and with FUSED_REDUCE the last of the tile's SPLIT_K programs
+        to arrive (a per-tile arrival counter, reset to 0 by that program) adds the SPLIT_K
+        partials in split order from 0 and writes the bf16 result: ``_splitk_reduce_kernel``'s
+        arithmetic without its launch. Deterministic: the same sum whichever program is last."""
+        if SPLIT_K == 1:
+            tl.store(y_ptr + y_offs, _round_bf16(acc).to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(part_ptr + pid_k * MN + p_offs, acc, mask=mask)
+            if FUSED_REDUCE:
+                tl.debug_barrier()  # every thread's partial stored before the (release) arrival
+                prev = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+                if prev == SPLIT_K - 1:
+                    tot = tl.zeros(acc.shape, dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):
+                        tot += tl.load(part_ptr + s * MN + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    tl.store(y_ptr + y_offs, _round_bf16(tot).to(tl.bfloat16), mask=mask)
+                    tl.atomic_xchg(cnt_ptr + tile_id, 0)
+
+    @triton.jit
+    def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KB, stride_xm,
+                         stride_ym, kb_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                         QUANT_A: tl.constexpr):
-        """QUANT_A: ``x_ptr`` is the bf16/fp32 activation, quantized per 1x128 group in the
-        prologue of every K block (the same arithmetic as ``_quantize_act_kernel``, so the same
-        bytes and scales); ``xs_ptr`` is unused."""
+                         QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+        """KIND "tile": a (BLOCK_M tokens x BLOCK_N weight rows) output tile per program, grid
+        (m tiles, n tiles, SPLIT_K). QUANT_A: ``x_ptr`` is the bf16/fp32 activation, quantized
+        per 1x128 group in the prologue of every K block (the same arithmetic as
+        ``_quantize_act_kernel``, so the same bytes and scales); ``xs_ptr`` is unused. Output
+        (see ``_gemm_epilogue``): bf16 ``y_ptr`` (row stride ``stride_ym``) and/or the fp32
+        partials ``part_ptr [SPLIT_K, M, N]``."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -472,12 +499,49 @@ if HAS_TRITON:
             part = tl.dot(a, b)
             sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
             acc += part * sa[:, None] * sb[None, :]
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        if SPLIT_K == 1:
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-                     _round_bf16(acc).to(tl.bfloat16), mask=out_mask)
-        else:
-            tl.store(y_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=out_mask)
+        _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[:, None] * stride_ym + offs_n[None, :],
+                       offs_m[:, None] * N + offs_n[None, :], m_mask[:, None] & n_mask[None, :], M * N, pid_k,
+                       pid_m * tl.num_programs(1) + pid_n, SPLIT_K, FUSED_REDUCE)
+
+    @triton.jit
+    def _fp8_gemm_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KB, stride_xm,
+                              stride_ym, kb_per_split,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                              QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+        """KIND "swap" (decode, small M): the transposed tile ``acc[BLOCK_N, BLOCK_M] =
+        W_tile @ x_tile^T`` so the weight rows (64-256) sit on the MMA's M axis (wgmma on
+        sm_90) and the few tokens on its N axis; grid (n tiles, m tiles, SPLIT_K). The same
+        arithmetic as ``_fp8_gemm_kernel`` element for element: per 128-wide K block the raw
+        fp8 dot in fp32, then ``acc += (dot * sa[m]) * sw[n // 128, kb]``; same epilogue."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_kk = tl.arange(0, 128)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        nb = offs_n // 128
+        kb_lo = pid_k * kb_per_split
+        kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for kb in range(kb_lo, kb_hi):
+            offs_k = kb * 128 + offs_kk
+            k_mask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, 128]
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, 128]
+            if QUANT_A:
+                a, sa = _quant_tile(a.to(tl.float32))
+            else:
+                sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
+            part = tl.dot(w, tl.trans(a))  # [BLOCK_N, BLOCK_M]
+            sw = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
+            acc += part * sa[None, :] * sw[:, None]
+        _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
+                       offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
+                       pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
 
     @triton.jit
     def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
@@ -507,10 +571,23 @@ def _pow2(m: int) -> int:
     return 1 << max(0, int(m) - 1).bit_length()
 
 
+KINDS = ("tile", "swap")
+"""GEMM kernel variants a launch config's ``KIND`` selects: ``"tile"`` = ``_fp8_gemm_kernel``
+(tokens on the MMA's M axis; every M), ``"swap"`` = ``_fp8_gemm_swap_kernel`` (swap-AB:
+weight rows on the MMA's M axis; decode). Tables without ``KIND`` (and the first tuner's
+``"dot"`` / ``"gemv"``) mean ``"tile"``."""
+
+
 def _finish_config(cfg: dict, M: int, K: int) -> dict:
-    """Normalize a config: derive kb_per_split, drop empty splits, fill defaults."""
+    """Normalize a config: derive kb_per_split, drop empty splits, fill defaults. ``KIND``:
+    ``"tile"`` (default) or ``"swap"``; ``REDUCE``: how a split-K result (``SPLIT_K > 1``, no
+    ``partials``) is reduced, ``"kernel"`` (default: ``_splitk_reduce_kernel``) or
+    ``"fused"`` (the last split's program of each tile reduces, see ``_gemm_epilogue``; the
+    same bits, one launch)."""
     KB = _cdiv(K, BLOCK)
-    cfg = {k: v for k, v in cfg.items() if k != "KIND"}  # (tables from the first tuner had it)
+    cfg = dict(cfg)
+    cfg["KIND"] = "swap" if cfg.get("KIND") == "swap" else "tile"
+    cfg["REDUCE"] = "fused" if cfg.get("REDUCE") == "fused" else "kernel"
     cfg.setdefault("BLOCK_M", 16)
     cfg.setdefault("BLOCK_N", 64)
     cfg.setdefault("num_warps", 4)
@@ -536,14 +613,36 @@ def _heuristic_config(M: int, N: int, K: int, sms: int) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
 
 
+TUNED_TABLE_ENV = "SHOAL_FP8_TUNED"
+"""Environment variable: path of a tuned table to use instead of ``fp8_tuned.json`` beside this
+file (e.g. the fresh output of ``python -m shoal.bench.tune_fp8 --out DIR``)."""
+
+_table_override: list = []  # [path] set by set_tuned_table
+
+
+def set_tuned_table(path=None) -> None:
+    """Use the tuned table at ``path`` (a ``fp8_tuned.json`` as ``shoal.bench.tune_fp8`` writes
+    it) from now on; ``None``: back to ``$SHOAL_FP8_TUNED`` or the packaged table. Clears the
+    config caches (kernels already captured in CUDA graphs keep their configs)."""
+    _table_override[:] = [] if path is None else [str(path)]
+    _tuned_table.cache_clear()
+    _gemm_config.cache_clear()
+
+
 @functools.cache
 def _tuned_table() -> dict:
-    """``fp8_tuned.json`` beside this file: ``{"N,K": {"M": config}}`` measured on an H200 by
-    ``python -m shoal.bench.tune_fp8`` (M = the largest M of a bucket; see that module)."""
+    """``fp8_tuned.json`` beside this file (or :func:`set_tuned_table`'s / ``$SHOAL_FP8_TUNED``'s
+    path): ``{"N,K": {"M": config}}`` measured on an H200 by ``python -m shoal.bench.tune_fp8``
+    (M = the largest M of a bucket; see that module). A config may carry ``KIND`` and
+    ``REDUCE`` (:func:`_finish_config`)."""
     import json
+    import os
     from pathlib import Path
 
-    path = Path(__file__).with_name("fp8_tuned.json")
+    override = _table_override[0] if _table_override else os.environ.get(TUNED_TABLE_ENV)
+    path = Path(override) if override else Path(__file__).with_name("fp8_tuned.json")
+    if path.is_dir():
+        path = path / "fp8_tuned.json"
     if not path.is_file():
         return {}
     try:
@@ -594,6 +693,28 @@ def _out_buffer(out: Tensor | None, M: int, N: int, device) -> Tensor:
     return out
 
 
+_COUNTER_SLOTS = 1 << 16
+_counters: dict = {}
+
+
+def _tile_counters(device: torch.device, n_tiles: int) -> Tensor | None:
+    """The per-device int32 arrival counters of the fused split-K reduce (all 0 between
+    kernels: the last program of a tile resets its counter). Allocated on first use outside a
+    CUDA-graph capture and kept for the process (captured graphs hold its address); ``None``
+    (use the reduce kernel) when that is not possible or there are more tiles than slots.
+    One buffer per device: two such GEMMs must not run concurrently on two streams of one
+    device (shoal runs its FP8 GEMMs on one stream)."""
+    if n_tiles > _COUNTER_SLOTS:
+        return None
+    key = (device.type, device.index)
+    buf = _counters.get(key)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _counters[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return buf
+
+
 def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: Tensor | None, M: int, N: int,
                  K: int, config: dict | None, interpret: bool, partials: bool = False) -> GemmOut:
     """``out=None``: allocated when a bf16 result is written. ``partials``: when the config
@@ -609,17 +730,26 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
         out = _out_buffer(out, M, N, x.device)
     else:
         out = None  # the partials are the result
-    target = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    grid = (_cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"]), split)
-    _fp8_gemm_kernel[grid](x, x if x_s is None else x_s, W_q, W_s, target, M, N, K, KB, x.stride(0),
-                           N if out is None else out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
-                           BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, QUANT_A=x_s is None,
-                           **_launch_kwargs(cfg, interpret))
+    work = None if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    swap = cfg["KIND"] == "swap"
+    tiles_m, tiles_n = _cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"])
+    counters = None
+    if split > 1 and not partials and cfg["REDUCE"] == "fused":
+        counters = _tile_counters(x.device, tiles_m * tiles_n)
+    grid = (tiles_n, tiles_m, split) if swap else (tiles_m, tiles_n, split)
+    kernel = _fp8_gemm_swap_kernel if swap else _fp8_gemm_kernel
+    # unused pointer arguments get stand-ins of the used dtype (one compiled variant fewer)
+    kernel[grid](x, x if x_s is None else x_s, W_q, W_s, work.view(torch.bfloat16) if out is None else out,
+                 x if work is None else work, W_s if counters is None else counters, M, N, K, KB, x.stride(0),
+                 N if out is None else out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, QUANT_A=x_s is None, FUSED_REDUCE=counters is not None,
+                 **_launch_kwargs(cfg, interpret))
     if split == 1:
         return out
     if partials:
-        return SplitKPartials(target)
-    _launch_reduce(target, out, M, N, split)
+        return SplitKPartials(work)
+    if counters is None:
+        _launch_reduce(work, out, M, N, split)
     return out
 
 
