@@ -7,7 +7,12 @@ Numerics checked:
   fp32 scales).
 * GEMM kernel vs reference: ``max|y - y_ref| <= 2^-7 * max|y_ref|`` (the fp32 sums are
   added in another order -- per K block with the scales applied per block -- so a bf16
-  rounding may flip; in practice <= 1 bf16 ulp).
+  rounding may flip; in practice <= 1 bf16 ulp). The same bound between the swap-AB decode
+  kernel (KIND "swap") and the tile kernel for the same split; both equal the reference bit for
+  bit on exactly representable operands (every summation order exact). The in-kernel split-K
+  reduce (REDUCE "fused") equals the reduce kernel bit for bit, and the swap kernel's
+  SplitKPartials give the fused consumers (SwiGLU+quantize, add+RMSNorm+quantize) the same
+  bytes as their reduced bf16 input.
 * reference vs the unquantized product: relative Frobenius error < 6e-2 (~3.7e-2 observed).
 * exactness: with exactly representable inputs (small-integer e4m3 values, power-of-two
   scales) the reference GEMM equals the exact product rounded to bf16, and quantize ->
@@ -95,9 +100,87 @@ def _interp_case(M, K, N):
     return {"checks": checks, "flags": flags}
 
 
+# swap-AB decode kernel (KIND "swap") and the in-kernel split-K reduce (REDUCE "fused"):
+# name -> (M, K, N); odd M, ragged N and K, M above one token tile (17 > 16, 33 > 32)
+SWAP_CASES = {
+    f"swap_m{M}_k{K}_n{N}": (M, K, N)
+    for M, K, N in [(1, 256, 200), (3, 640, 256), (17, 200, 136), (33, 384, 130)]
+}
+
+
+def _swap_case(M, K, N):
+    from shoal.kernels import fused
+
+    g = torch.Generator().manual_seed(M * 1000 + K * 7 + N + 1)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    Wq, Ws = fp8.quantize_weight_ref((torch.randn(N, K, generator=g) * 0.05).bfloat16())
+    xq, xs = fp8.quantize_act_ref(x)
+    y_r = fp8.fp8_gemm_ref(xq, xs, Wq, Ws)
+    KB = -(-K // 128)
+    checks, flags = {}, {}
+    bm = 16 if M <= 16 else 32
+    for label, cfg in [("bn64", {"BLOCK_M": bm, "BLOCK_N": 64}),
+                       ("bn128_split2", {"BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 2}),
+                       ("bn64_splitmax", {"BLOCK_M": bm, "BLOCK_N": 64, "SPLIT_K": KB})]:
+        swap = {**cfg, "KIND": "swap"}
+        y_swap = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=swap)
+        checks[f"swap_{label}"] = (_rel(y_swap, y_r), 2.0 ** -7)
+        # the tile kernel with the same split: the same per-element arithmetic
+        y_tile = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={"SPLIT_K": cfg.get("SPLIT_K", 1)})
+        checks[f"swap_vs_tile_{label}"] = (_rel(y_swap, y_tile), 2.0 ** -7)
+        split = fp8._finish_config(swap, M, K)["SPLIT_K"]
+        if split > 1:
+            # fused reduce == reduce kernel == partials reduced, bit for bit (either kernel)
+            for kind in ("swap", "tile"):
+                c = {**cfg, "KIND": kind}
+                y_k = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=c)
+                y_f = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={**c, "REDUCE": "fused"})
+                part = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={**c, "REDUCE": "fused"}, partials=True)
+                flags[f"{kind}_{label}_fused_reduce_exact"] = torch.equal(y_f, y_k)
+                flags[f"{kind}_{label}_partials"] = isinstance(part, fp8.SplitKPartials) and part.split == split
+                flags[f"{kind}_{label}_partials_exact"] = torch.equal(part.reduce(), y_k)
+            flags[f"{label}_counters_reset"] = not bool(fp8._counters[("cpu", None)].any())
+            # the swap kernel's partials feed the fused consumers: the same bytes as their bf16 input
+            part = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=swap, partials=True)
+            ys = part.reduce()
+            flags[f"{label}_swap_partials_reduce_ref"] = torch.equal(fp8.splitk_reduce_ref(part), ys)
+            if N % 2 == 0:
+                hq, hs = fp8.silu_mul_quant_triton(part)
+                rq, rs = fp8.silu_mul_quant_triton(ys)
+                flags[f"{label}_smq_exact"] = torch.equal(_bytes(hq), _bytes(rq)) and torch.equal(hs, rs)
+            res = torch.randn(M, N, generator=g).bfloat16()
+            w = (1 + 0.3 * torch.randn(N, generator=g)).bfloat16()
+            a = fused.add_rmsnorm_quant_triton(part, res, w, 1e-6, store_normed=True)
+            b = fused.add_rmsnorm_quant_triton(ys, res, w, 1e-6, store_normed=True)
+            flags[f"{label}_norm_exact"] = (torch.equal(a.h, b.h) and torch.equal(_bytes(a.q), _bytes(b.q))
+                                            and torch.equal(a.s, b.s) and torch.equal(a.normed, b.normed))
+    # quantize fused into the swap kernel's prologue: the same bytes, so the same result
+    swap = {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": 64, "SPLIT_K": 2, "REDUCE": "fused"}
+    flags["swap_linear_fuse_quant"] = torch.equal(fp8.fp8_linear_triton(x, Wq, Ws, config=swap, fuse_quant=True),
+                                                  fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=swap))
+    out = torch.full((M, N + 8), float("nan"), dtype=torch.bfloat16)[:, :N]
+    fp8.fp8_gemm_triton(xq, xs, Wq, Ws, out=out, config=swap)
+    checks["swap_out_strided"] = (_rel(out, y_r), 2.0 ** -7)
+    # exactly representable operands (small-integer e4m3, power-of-two scales): every order of
+    # summation is exact, so both kernels equal the reference bit for bit
+    iq = torch.randint(-4, 5, (M, K), generator=g).float().to(E4M3)
+    iw = torch.randint(-4, 5, (N, K), generator=g).float().to(E4M3)
+    isx = 2.0 ** torch.randint(-3, 3, (M, KB), generator=g).float()
+    isw = 2.0 ** torch.randint(-6, 0, (-(-N // 128), KB), generator=g).float()
+    ye = fp8.fp8_gemm_ref(iq, isx, iw, isw)
+    for label, cfg in [("swap", {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": 128}),
+                       ("swap_split_fused", {"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2,
+                                             "REDUCE": "fused"}),
+                       ("tile", {"BLOCK_M": 16, "BLOCK_N": 64})]:
+        flags[f"exact_{label}"] = torch.equal(fp8.fp8_gemm_triton(iq, isx, iw, isw, config=cfg), ye)
+    return {"checks": checks, "flags": flags}
+
+
 def _worker_main():
     assert fp8.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
-    report_cases(INTERP_CASES, lambda name: _interp_case(*INTERP_CASES[name]))
+    cases = {**INTERP_CASES, **SWAP_CASES}
+    report_cases(cases, lambda name: _swap_case(*SWAP_CASES[name]) if name in SWAP_CASES
+                 else _interp_case(*INTERP_CASES[name]))
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +193,88 @@ def interp_results():
 @pytest.mark.parametrize("name", list(INTERP_CASES))
 def test_kernels_match_reference_interpreter(interp_results, name):
     assert_case(interp_results[name])
+
+
+@pytest.mark.parametrize("name", list(SWAP_CASES))
+def test_swap_kernel_and_fused_reduce_interpreter(interp_results, name):
+    assert_case(interp_results[name], need_any=True)
+
+
+# --------------------------------------------------------------------------------------
+# Launch configs: KIND / REDUCE, tuned tables (no kernels run)
+# --------------------------------------------------------------------------------------
+
+
+def test_finish_config_keeps_kind_and_reduce():
+    c = fp8._finish_config({"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "REDUCE": "fused"},
+                           1, 9728)
+    assert c["KIND"] == "swap" and c["REDUCE"] == "fused"
+    assert c["kb_per_split"] == 5 and c["SPLIT_K"] == 16  # 76 K blocks: 15 splits of 5 + 1 of 1
+    # tables without the keys, and the first tuner's "dot" / "gemv", mean the tile kernel
+    for old in ({}, {"KIND": "dot"}, {"KIND": "gemv", "BLOCK_N": 32}):
+        c = fp8._finish_config({**old, "SPLIT_K": 4}, 1, 2560)
+        assert c["KIND"] == "tile" and c["REDUCE"] == "kernel" and c["SPLIT_K"] == 4
+
+
+def test_tuned_table_override_selects_the_variant(tmp_path, monkeypatch):
+    import json
+
+    packaged = fp8._gemm_config(1, 2560, 9728, 132)
+    assert packaged["KIND"] == "tile"  # the shipped entries load as before
+    doc = {"configs": {"2560,9728": {
+        "1": {"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "REDUCE": "fused",
+              "num_warps": 4, "num_stages": 6},
+        "16": {"KIND": "dot", "BLOCK_M": 16, "BLOCK_N": 32, "SPLIT_K": 4}}}}
+    (tmp_path / "fp8_tuned.json").write_text(json.dumps(doc))
+    try:
+        fp8.set_tuned_table(tmp_path)  # a directory means DIR/fp8_tuned.json
+        c1 = fp8._gemm_config(1, 2560, 9728, 132)
+        assert (c1["KIND"], c1["BLOCK_N"], c1["SPLIT_K"], c1["REDUCE"], c1["num_stages"]) == ("swap", 128, 8, "fused", 6)
+        c8 = fp8._gemm_config(8, 2560, 9728, 132)  # bucket 16
+        assert c8["KIND"] == "tile" and c8["BLOCK_N"] == 32
+        assert fp8._gemm_config(1, 2560, 9728, 108)["KIND"] == "tile"  # other GPUs: heuristic
+        fp8.set_tuned_table(None)
+        monkeypatch.setenv(fp8.TUNED_TABLE_ENV, str(tmp_path / "fp8_tuned.json"))
+        fp8.set_tuned_table(None)
+        assert fp8._gemm_config(1, 2560, 9728, 132)["KIND"] == "swap"
+    finally:
+        monkeypatch.delenv(fp8.TUNED_TABLE_ENV, raising=False)
+        fp8.set_tuned_table(None)
+    assert fp8._gemm_config(1, 2560, 9728, 132) == packaged
+
+
+def test_tuner_search_space():
+    from shoal.bench import tune_fp8
+    from shoal.bench.kernels_fp8 import SHAPES
+
+    for name in tune_fp8.TUNE_SHAPES:
+        N, K = SHAPES[name]
+        KB = -(-K // 128)
+        for M in tune_fp8.MS:
+            cands = tune_fp8.candidates(M, N, K)
+            keys = [tune_fp8._key(c, M, K) for c in cands]
+            assert len(keys) == len(set(keys)), (name, M)  # no launch timed twice
+            assert all(c.get("KIND", "tile") == "tile" for c in cands if M > tune_fp8.SWAP_MAX_M)
+            if M == 1:
+                assert any(c.get("KIND") == "swap" for c in cands)
+            assert sum(1 for c in cands if c.get("_old")) == 1  # the packaged entry is always timed
+            for c in cands:
+                f = fp8._finish_config(tune_fp8._public(c), M, K)
+                assert f["SPLIT_K"] == 1 or f["kb_per_split"] >= 2 or f["KIND"] == "tile"
+                assert f["SPLIT_K"] <= 16 and f["SPLIT_K"] <= KB
+                if f["SPLIT_K"] > 1 and not c.get("_old"):
+                    assert c.get("REDUCE") in ("fused", None)
+            assert len(cands) <= 32
+        seeds = tune_fp8.candidates(1, N, K)[:3]
+        for M in (8, 32):
+            seeded = tune_fp8.candidates(M, N, K, seeds)
+            assert len(seeded) <= len(seeds) + 2
+            assert all(c["BLOCK_M"] == (16 if M <= 16 else 32) for c in seeded[:len(seeds)] if c["KIND"] == "swap")
+    # down at M = 1: wide weight tiles with deep split-K are in the space
+    down = [fp8._finish_config(tune_fp8._public(c), 1, 9728) for c in tune_fp8.candidates(1, 2560, 9728)]
+    assert any(c["KIND"] == "swap" and c["BLOCK_N"] == 128 and c["SPLIT_K"] == 16 for c in down)
+    assert tune_fp8.short({"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 8, "REDUCE": "fused",
+                           "num_warps": 4, "num_stages": 6}) == "swap 16x128 sk8f w4s6"
 
 
 # --------------------------------------------------------------------------------------
@@ -327,6 +492,63 @@ def test_gpu_cuda_graph_replay_bit_exact():
     for a, b in zip(static, again):
         assert torch.equal(a, b)
     assert not torch.equal(static[0], eager[0])
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("N,K", [(19456, 2560), (2560, 9728), (200, 384)])
+def test_gpu_swap_kernel_matches_reference(M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    Wq, Ws = fp8.quantize_weight_ref((torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16())
+    xq, xs = fp8.quantize_act(x)
+    y_r = fp8.fp8_gemm_ref(xq, xs, Wq, Ws)
+    bm = 16 if M <= 16 else 32
+    # (every distinct config and integer specialization is one compile: the full set at M = 1)
+    shapes = ((64, 1, 4, 4), (128, 8, 4, 6), (256, 4, 8, 3)) if M == 1 else ((128, 8, 4, 6),)
+    for bn, sk, nw, ns in shapes:
+        cfg = {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw, "num_stages": ns}
+        y_k = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=cfg)
+        assert _rel(y_k, y_r) <= 2.0 ** -7, cfg
+        y_f = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={**cfg, "REDUCE": "fused"})
+        assert torch.equal(y_f, y_k), cfg  # in-kernel reduce == reduce kernel, bit for bit
+        part = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=cfg, partials=True)
+        if isinstance(part, fp8.SplitKPartials):
+            assert torch.equal(part.reduce(), y_k)
+        if bn == 128:
+            assert torch.equal(fp8.fp8_linear_triton(x, Wq, Ws, config=cfg, fuse_quant=True), y_k)
+    torch.cuda.synchronize()
+    assert not bool(fp8._counters[("cuda", x.device.index)].any())  # every counter back to 0
+
+
+@cuda
+def test_gpu_fused_reduce_cuda_graph_replay_bit_exact():
+    M, N, K = 1, 2560, 9728
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    Wq, Ws = fp8.quantize_weight_ref(torch.randn(N, K, device="cuda") * 0.01)
+    cfgs = [{"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 128, "SPLIT_K": 16, "REDUCE": "fused"},
+            {"KIND": "tile", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 8, "REDUCE": "fused"}]
+
+    def step():
+        xq, xs = fp8.quantize_act(x)
+        return [fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=c) for c in cfgs]
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for s in static:
+            s.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        again = step()
+        for a, b in zip(static, again):
+            assert torch.equal(a, b)
+        xq, xs = fp8.quantize_act(x)
+        assert _rel(static[0], fp8.fp8_gemm_ref(xq, xs, Wq, Ws)) <= 2.0 ** -7
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """GPU check + micro-benchmark of the block-scaled FP8 GEMM (shoal.kernels.fp8) at S2-Pro shapes.
 
     python -m shoal.bench.kernels_fp8 [--out DIR] [--ms 1,2,4,...] [--shapes wqkv,...] [--iters 20]
+                                      [--mlp] [--table DIR/fp8_tuned.json]
 
 For every S2-Pro GEMM (wqkv 6144x2560, wo 2560x4096, gate_up 19456x2560, down 2560x9728,
 semantic head 4097x2560, fast head 1024x2560) and every M in --ms:
@@ -18,6 +19,9 @@ semantic head 4097x2560, fast head 1024x2560) and every M in --ms:
     this torch/GPU supports it (M padded to a multiple of 16 when required).
   Effective TB/s = (weight + activation + output bytes) / time.
 
+``--mlp`` also times the whole MLP block (``fp8``: the GEMMs reduce their own split-K;
+``fp8_partials``: gate_up's split-K partials summed by the SwiGLU+quantize kernel, as the fused
+layers run it). ``--table`` uses another tuned-config table (a fresh ``tune_fp8 --out``).
 A failing cell is printed and recorded, and the run continues. Prints a table; with --out
 writes ``DIR/kernels_fp8.json``. Aims at < 3 minutes.
 
@@ -209,19 +213,29 @@ def bench_mlp(ms, iters, results):
                 gu = fp8.fp8_linear(x, a, b)
                 return fp8.fp8_gemm(*fp8.silu_mul_quant(gu), c, d)
 
+            def ours_partials(i, x=x):  # as the fused layers run it: gate_up's split-K partials summed by the SwiGLU
+                a, b, c, d = f8[i]
+                gu = fp8.fp8_linear_triton(x, a, b, partials=True)
+                return fp8.fp8_gemm(*fp8.silu_mul_quant(gu), c, d)
+
             def ref(i, x=x):
                 a, c = b16[i]
                 return F.linear(silu_mul(F.linear(x, a)), c)
 
             y, yb = ours(0).float(), ref(0).float()
             cell["cos_vs_bf16"] = F.cosine_similarity(y.flatten(), yb.flatten(), dim=0).item()
-            cell["ok"] = bool(cell["cos_vs_bf16"] > 0.99)
+            cell["partials_exact"] = bool(torch.equal(ours_partials(0), ours(0)))
+            cell["ok"] = bool(cell["cos_vs_bf16"] > 0.99 and cell["partials_exact"])
+            cell["configs"] = {k: fp8._gemm_config(M, n, kk, fp8._device_sms(x))
+                               for k, (n, kk) in (("gate_up", (19456, 2560)), ("down", (2560, 9728)))}
             t = {"fp8": time_graph([lambda i=i: ours(i) for i in range(n8)], iters),
+                 "fp8_partials": time_graph([lambda i=i: ours_partials(i) for i in range(n8)], iters),
                  "bf16": time_graph([lambda i=i: ref(i) for i in range(n16)], iters)}
             cell["us"] = t
-            cell["speedup_vs_bf16"] = t["bf16"] / t["fp8"]
-            _log(f"{'mlp':>14} {M:>5} | fp8 {t['fp8']:8.2f} us | bf16 {t['bf16']:8.2f} us | "
-                 f"{cell['speedup_vs_bf16']:5.2f}x | cos {cell['cos_vs_bf16']:.5f}")
+            cell["speedup_vs_bf16"] = t["bf16"] / min(t["fp8"], t["fp8_partials"])
+            _log(f"{'mlp':>14} {M:>5} | fp8 {t['fp8']:8.2f} us | fp8 (gate_up partials -> SwiGLU) "
+                 f"{t['fp8_partials']:8.2f} us | bf16 {t['bf16']:8.2f} us | {cell['speedup_vs_bf16']:5.2f}x | "
+                 f"cos {cell['cos_vs_bf16']:.5f} {'ok' if cell['ok'] else 'BAD'}")
         except Exception as e:  # noqa: BLE001
             cell["error"] = f"{type(e).__name__}: {e}"[:500]
             _log(f"  mlp/M{M}: FAILED {cell['error']}")
@@ -344,7 +358,16 @@ def _print_row(c):
 
     _log(f"{c['shape']:>14} {c['M']:>5} | {f('fp8')} | {f('fp8+q')} | {f('bf16')} | {f('scaled_mm')} | {f('scaled_mm_block')} | "
          f"{c.get('speedup_vs_bf16', 0):5.2f}x | rel {c['rel_vs_ref']:.1e} cos {c['cos_vs_bf16']:.5f} "
-         f"{'ok' if c['ok'] else 'BAD'}")
+         f"{'ok' if c['ok'] else 'BAD'} | {_short_config(c.get('config'))}")
+
+
+def _short_config(c) -> str:
+    if not c:
+        return "-"
+    s = f"{c.get('KIND', 'tile')} {c.get('BLOCK_M')}x{c.get('BLOCK_N')}"
+    if c.get("SPLIT_K", 1) > 1:
+        s += f" sk{c['SPLIT_K']}{'f' if c.get('REDUCE') == 'fused' else 'r'}"
+    return s + f" w{c.get('num_warps')}s{c.get('num_stages')}"
 
 
 def main(argv=None):
@@ -354,6 +377,9 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--mlp", action="store_true", help="also time the whole MLP block")
+    ap.add_argument("--table", default=None,
+                    help="tuned-config table to use (e.g. the fp8_tuned.json a fresh tune_fp8 --out wrote; "
+                         "a directory means DIR/fp8_tuned.json); default: $SHOAL_FP8_TUNED or the packaged one")
     ap.add_argument("--layer", action="store_true",
                     help="instead: one full FP8 decoder layer, unfused vs fused (kernels/fp8_fused.py)")
     ap.add_argument("--layer-ms", default="1,16,64")
@@ -365,6 +391,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         _log("kernels_fp8: CUDA not available; nothing to benchmark")
         return 0
+    if args.table:
+        fp8.set_tuned_table(args.table)
+        _log(f"tuned table: {args.table} ({len(fp8._tuned_table())} shapes)")
     ms = [int(m) for m in args.ms.split(",") if m]
     do_sm = _scaled_mm_available()
     t0 = time.time()

@@ -61,8 +61,19 @@ Dispatch (as in :mod:`shoal.kernels.fused`): ``op_ref`` is plain PyTorch, ``op_t
 the kernel (compiled on CUDA, interpreted on any tensors when Triton was imported with
 ``TRITON_INTERPRET=1``), ``op`` the kernel when it can run else the reference.
 
-Untuned: tile sizes / warps / stages / split-K heuristic are first guesses (see
-:func:`_gemm_config`); the lead tunes on the H200.
+Two kernel variants, chosen per launch config (``KIND``): ``"tile"`` (``_fp8_gemm_kernel``,
+tokens on the MMA's M axis; any M) and ``"swap"`` (``_fp8_gemm_swap_kernel``, swap-AB for
+decode: ``acc^T = W_tile @ x_tile^T`` with 64-256 weight rows on the MMA's M axis, which lowers
+to wgmma on sm_90, and 16/32 tokens on its N axis). Both compute every output element with the
+same per-K-block arithmetic, so for the same split they agree up to the tensor core's order of
+adding the 128 products of one K block (bit-identical whenever those sums are exact). A split-K
+result is reduced either by the reduce kernel (``REDUCE`` "kernel") or inside the GEMM by the
+last of a tile's split programs to finish (``REDUCE`` "fused": per-tile arrival counters,
+the same ordered sum, one launch fewer; see ``_gemm_epilogue``).
+
+Launch configs: the tuned table ``fp8_tuned.json`` (per (N, K) and M bucket, written by
+``python -m shoal.bench.tune_fp8``; another table via :func:`set_tuned_table` or
+``$SHOAL_FP8_TUNED``), else :func:`_heuristic_config` (see :func:`_gemm_config`).
 """
 
 from __future__ import annotations
@@ -723,6 +734,8 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
         out = _out_buffer(out, M, N, x.device)
         return out.zero_() if K == 0 else out
     base = _gemm_config(M, N, K, _device_sms(x))
+    if config:  # an explicit config names its kernel: no KIND / REDUCE means "tile" / "kernel"
+        base = {k: v for k, v in base.items() if k not in ("KIND", "REDUCE")}
     cfg = _finish_config({**base, **config}, M, K) if config else base
     KB = _cdiv(K, BLOCK)
     split = cfg["SPLIT_K"]
@@ -774,7 +787,8 @@ def splitk_reduce(p: SplitKPartials, *, out: Tensor | None = None) -> Tensor:
 def fp8_gemm_triton(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, *, out: Tensor | None = None,
                     config: dict | None = None, partials: bool = False) -> GemmOut:
     """Triton block-scaled FP8 GEMM -> bf16 ``[M, N]`` (into ``out`` if given: bf16 [M, N], unit
-    stride along N). ``config`` overrides :func:`_gemm_config` (for tuning / tests).
+    stride along N). ``config`` overrides :func:`_gemm_config` (for tuning / tests; its
+    missing tile keys come from there, a missing ``KIND`` / ``REDUCE`` means "tile" / "kernel").
     ``partials``: when the launch config splits K (``SPLIT_K > 1``), skip the reduce kernel and
     return the fp32 partials (:class:`SplitKPartials`, ``out`` unused) for a consumer that sums
     them itself; with one split the bf16 result is returned as usual."""
