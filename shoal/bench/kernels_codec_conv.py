@@ -26,7 +26,15 @@ from .kernels_sampling import _graph_us as graph_time_us
 BACKENDS = {"cudnn_ncl": {"channels_last": False, "triton_conv": False},
             "cudnn_nlc": {"channels_last": True, "triton_conv": False},
             "triton": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
-            "triton_epilogue": {"channels_last": True, "triton_conv": True, "snake_epilogue": True}}
+            "triton_epilogue": {"channels_last": True, "triton_conv": True, "snake_epilogue": True},
+            "triton_flat_snake": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
+            "triton_accurate_sin": {"channels_last": True, "triton_conv": True, "snake_epilogue": False}}
+# environment a backend runs under (restored after it)
+BACKEND_ENV = {"triton_flat_snake": {"SHOAL_SNAKE_FLAT": "1"},
+               "triton_accurate_sin": {"SHOAL_SNAKE_ACCURATE_SIN": "1"}}
+
+# the decoder's Snake sites: (channels, samples per frame) at its four rates (44.1 kHz / 2048-sample frames)
+SNAKE_SITES = ((1536, 4), (768, 32), (384, 256), (192, 1024), (96, 2048))
 
 CONFIGS = [  # (BT, BN, BC, warps, stages)
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
@@ -226,12 +234,64 @@ def epilogue_call(codec, batch: int, frames: int, dev, dtype, channels=(96, 192)
     return rows
 
 
+class _env:
+    """Set environment variables for a block, restoring the old values after it."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env, self.old = env, {}
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def snake_sweep(batch: int, frames: int, dev, dtype) -> list[dict]:
+    """The standalone Snake kernel at every decoder rate (batch x frames, channels-last):
+    tiled vs flat kernel, accurate vs SFU sine, plain vs residual add + ``h`` write; time and
+    achieved bandwidth (bytes read + written)."""
+    from ..kernels.snake import snake
+
+    rows = []
+    for C, spf in SNAKE_SITES:
+        L = frames * spf
+        x = torch.randn(batch, L, C, device=dev, dtype=dtype).transpose(1, 2)
+        y = torch.randn(batch, L, C, device=dev, dtype=dtype).transpose(1, 2)
+        alpha = torch.rand(C, device=dev, dtype=dtype) + 0.5
+        sn = torch.empty_like(x)
+        h = torch.empty_like(x)
+        el = x.numel()
+        for kernel in ("tiled", "flat"):
+            for sin in ("fast", "accurate"):
+                env = {"SHOAL_SNAKE_FLAT": "1" if kernel == "flat" else "0",
+                       "SHOAL_SNAKE_ACCURATE_SIN": "1" if sin == "accurate" else "0"}
+                with _env(env):
+                    plain = graph_time_us(lambda: snake(x, alpha, out=sn))
+                    resid = graph_time_us(lambda: snake(x, alpha, y, out=sn, h_out=h))
+                bpe = x.element_size()
+                r = {"channels": C, "length": L, "batch": batch, "kernel": kernel, "sin": sin,
+                     "plain_us": plain, "residual_us": resid,
+                     "plain_gbs": 2 * el * bpe / plain / 1e3, "residual_gbs": 4 * el * bpe / resid / 1e3}
+                rows.append(r)
+                log(f"snake C={C} L={L} B={batch} {kernel:5s} {sin:8s}: plain {plain:8.1f} us "
+                    f"({r['plain_gbs']:.0f} GB/s), residual+h {resid:8.1f} us ({r['residual_gbs']:.0f} GB/s)")
+        del x, y, sn, h
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default="codec-conv.json")
     p.add_argument("--points", default="64x32,64x8,1x8", help="batch x chunk frames")
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--skip", default="", help="comma list: convs,decode,epilogue,trace,profile")
+    p.add_argument("--skip", default="", help="comma list: snake,convs,decode,epilogue,trace,profile")
     p.add_argument("--backends", default="cudnn_ncl,cudnn_nlc,triton")
     p.add_argument("--configs", default="sweep", help="sweep (12 tile configs) or table (the shipped one)")
     p.add_argument("--min-k", type=int, default=1, help="only convs with at least this many taps")
@@ -258,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     def save():
         path.write_text(json.dumps(out, indent=1, default=str))
 
+    if "snake" not in skip:
+        B, T = points[0]
+        out["snake"] = snake_sweep(B, T, dev, dtype)
+        save()
     if "convs" not in skip:
         for B, T in points:
             shapes = record_shapes(codec, B, T, dev)
@@ -285,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 codec.configure_serving(**kw)
                 try:
-                    r = decode_call(codec, B, T, dev)
+                    with _env(BACKEND_ENV.get(name, {})):
+                        r = decode_call(codec, B, T, dev)
                 except Exception as e:  # noqa: BLE001
                     r = {"batch": B, "frames": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
                 r["backend"] = name

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from .fused import _DT_CODE, _check_dtype, _next_pow2, _require_kernel
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+from .snake import sin_mode
 
 __all__ = ["conv1d_cl_ref", "conv1d_cl_triton", "pack_conv_weight", "conv_config",
            "codec_conv_enabled"]
@@ -278,7 +279,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         HAS_B=bias is not None, HAS_R=residual is not None,
         WRITE_O=write_out, SNAKE=snake_alpha is not None,
         # libdevice has no interpreter implementation; the interpreter's sin is numpy's.
-        ACCURATE_SIN=not interpret,
+        ACCURATE_SIN=sin_mode(x.dtype, interpret),
         BT=bt, BN=bn, BC=bc,
         DT=_DT_CODE[x.dtype],
         # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs

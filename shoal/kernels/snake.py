@@ -66,12 +66,27 @@ if HAS_TRITON:
 
     from .fused import _round  # noqa: F401 - called by name from the kernel
 
+    def _fast_sin_impl(x):
+        """sin(x) for fp32 x on the GPU: x reduced to [-pi, pi] (Cody-Waite, two FMAs with
+        2*pi split in fp32 head and tail), then the SFU's ``sin.approx.f32`` (absolute error
+        below 2^-20.9 there). Used only where the result is rounded to bf16 / fp16, whose ulp
+        is far above that error (tests check <= 1 ulp against PyTorch's accurate sine)."""
+        k = libdevice.rint(x * 0.15915494309189535)
+        r = tl.fma(-k, 6.2831854820251465, x)
+        r = tl.fma(-k, -1.7484556000744883e-07, r)
+        return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [r], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
     def _snake_math_impl(h, a, DT: tl.constexpr, ACCURATE_SIN: tl.constexpr):
         """Snake of fp32 ``h`` (values of storage dtype DT) with per-channel ``a`` broadcast to
-        h's shape; every operation rounded to DT as PyTorch eager rounds it."""
+        h's shape; every operation rounded to DT as PyTorch eager rounds it. ``ACCURATE_SIN``
+        (a sine mode, see :func:`sin_mode`): 0 ``tl.sin`` (the interpreter's numpy sine), 1
+        libdevice's accurate ``sinf`` (PyTorch's CUDA sine), 2 :func:`_fast_sin`."""
         inv = _round(tl.math.div_rn(1.0, _round(a + 1e-9, DT)), DT)
         ah = _round(a * h, DT)
-        if ACCURATE_SIN:
+        if ACCURATE_SIN == 2:
+            sn = _fast_sin(ah)
+        elif ACCURATE_SIN == 1:
             sn = libdevice.sin(ah)
         else:
             sn = tl.sin(ah)
@@ -118,6 +133,7 @@ if HAS_TRITON:
     else:
         from triton.runtime.jit import JITFunction as _Wrap
 
+    _fast_sin = _Wrap(_fast_sin_impl)
     _snake_math = _Wrap(_snake_math_impl)
 
     def _snake_flat_kernel(
@@ -162,6 +178,18 @@ if HAS_TRITON:
 
 
 _FLAT_BLOCK = 2048
+
+
+def sin_mode(dtype: torch.dtype, interpret: bool) -> int:
+    """The Snake kernels' sine (their ``ACCURATE_SIN`` constexpr): 0 under the interpreter
+    (libdevice has no interpreter implementation; numpy's sine), 1 libdevice's accurate ``sinf``
+    for fp32 (and for every dtype with ``SHOAL_SNAKE_ACCURATE_SIN=1``), 2 the range-reduced SFU
+    sine for bf16 / fp16, whose rounding hides its error."""
+    if interpret:
+        return 0
+    if dtype == torch.float32 or os.environ.get("SHOAL_SNAKE_ACCURATE_SIN", "0") == "1":
+        return 1
+    return 2
 
 
 def _flat_rows(C: int, *ts: Tensor | None) -> bool:
@@ -221,7 +249,7 @@ def snake_triton(x: Tensor, alpha: Tensor, y: Tensor | None = None, bias: Tensor
             x, yy, bv if bv is not None else a, a, out, hh,
             n, n_eb, x.stride(0), yy.stride(0), out.stride(0), hh.stride(0),
             C=C, HAS_Y=y is not None, HAS_B=bv is not None, WRITE_H=h_out is not None,
-            BLOCK=_FLAT_BLOCK, DT=_DT_CODE[x.dtype], ACCURATE_SIN=not interpret,
+            BLOCK=_FLAT_BLOCK, DT=_DT_CODE[x.dtype], ACCURATE_SIN=sin_mode(x.dtype, interpret),
             **_launch_opts(4),
         )
         return out, h_out
@@ -238,7 +266,7 @@ def snake_triton(x: Tensor, alpha: Tensor, y: Tensor | None = None, bias: Tensor
         BC=bc, BL=bl,
         DT=_DT_CODE[x.dtype],
         # libdevice has no interpreter implementation; the interpreter's sin is numpy's.
-        ACCURATE_SIN=not interpret,
+        ACCURATE_SIN=sin_mode(x.dtype, interpret),
         **_launch_opts(4),
     )
     return out, h_out
