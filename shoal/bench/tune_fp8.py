@@ -127,7 +127,7 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
                 out.append({"KIND": "tile", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": 1, "num_warps": nw,
                             "num_stages": ns})
     for c in out:
-        if c["SPLIT_K"] > 1:
+        if min(int(c.get("SPLIT_K", 1)), KB) > 1:
             c["REDUCE"] = "fused"
     old = old_config(M, N, K)
     if old is not None:
