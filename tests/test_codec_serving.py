@@ -343,7 +343,8 @@ def test_bench_interference_smoke(tmp_path):
     assert res["codec_call_ms_alone"] > 0 and len(res["runs"]) == 1
     run = res["runs"][0]
     assert run["step_ms_alone"] > 0 and run["frames_per_s_loaded"] > 0
-    assert run["codec_audio_s_per_s_loaded"] > 0 and 0 < run["sharing"] < 4
+    # (no bound on the sharing ratio: it is a timing, and CPU timings under load swing widely)
+    assert run["codec_audio_s_per_s_loaded"] > 0 and run["sharing"] > 0
 
 
 # --------------------------------------------------------------------------------------

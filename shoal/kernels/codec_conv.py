@@ -278,8 +278,9 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         K=K, DIL=dilation,
         HAS_B=bias is not None, HAS_R=residual is not None,
         WRITE_O=write_out, SNAKE=snake_alpha is not None,
-        # libdevice has no interpreter implementation; the interpreter's sin is numpy's.
-        ACCURATE_SIN=sin_mode(x.dtype, interpret),
+        # the epilogue Snake's sine (see snake.sin_mode); a constant without one, so that the
+        # sine setting compiles no extra plain-conv variants
+        ACCURATE_SIN=sin_mode(x.dtype, interpret) if snake_alpha is not None else 0,
         BT=bt, BN=bn, BC=bc,
         DT=_DT_CODE[x.dtype],
         # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs
