@@ -176,11 +176,57 @@ def _swap_case(M, K, N):
     return {"checks": checks, "flags": flags}
 
 
+def _tuner_flow_case():
+    """``shoal.bench.tune_fp8.main`` end to end on CPU tensors (interpreter; the CUDA-graph timer
+    replaced by a fake): candidates run and verified, the table written and loadable."""
+    import json
+    import random
+    import tempfile
+
+    from shoal.bench import kernels_fp8, tune_fp8
+
+    saved = (tune_fp8.DEV, tune_fp8.time_graph, torch.cuda.is_available, torch.cuda.get_device_name)
+    kernels_fp8.SHAPES["tiny"] = (256, 384)
+    rng = random.Random(0)
+
+    def fake_time(fns, iters):
+        fns[-1]()
+        return rng.uniform(1.0, 10.0)
+
+    try:
+        tune_fp8.DEV, tune_fp8.time_graph, torch.cuda.is_available = "cpu", fake_time, lambda: True
+        torch.cuda.get_device_name = lambda *a: "cpu"
+        flags = {"precompile_worker": tune_fp8._compile_jobs(
+            [(256, 384, 1, {"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "REDUCE": "fused"})]) == 0}
+        with tempfile.TemporaryDirectory() as d:
+            rc = tune_fp8.main(["--shapes", "tiny", "--ms", "1,8", "--jobs", "0", "--max-candidates", "3",
+                                "--out", d])
+            table = json.load(open(f"{d}/fp8_tuned.json"))["configs"]
+            cells = json.load(open(f"{d}/tune_fp8_cells.json"))
+            flags["rc0"] = rc == 0
+            flags["tuned_both_buckets"] = set(table.get("256,384", {})) == {"1", "8"}
+            flags["swap_at_m1"] = table["256,384"]["1"]["KIND"] == "swap"
+            flags["packaged_entries_kept"] = "2560,9728" in table
+            flags["cells_verified"] = all(c["n_failed"] == 0 and c["best"] for c in cells)
+            fp8.set_tuned_table(d)
+            flags["table_loads"] = fp8._gemm_config(1, 256, 384, 132)["KIND"] == "swap"
+    finally:
+        tune_fp8.DEV, tune_fp8.time_graph, torch.cuda.is_available, torch.cuda.get_device_name = saved
+        kernels_fp8.SHAPES.pop("tiny", None)
+        fp8.set_tuned_table(None)
+    return {"checks": {}, "flags": flags}
+
+
 def _worker_main():
     assert fp8.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
-    cases = {**INTERP_CASES, **SWAP_CASES}
-    report_cases(cases, lambda name: _swap_case(*SWAP_CASES[name]) if name in SWAP_CASES
-                 else _interp_case(*INTERP_CASES[name]))
+    cases = {**INTERP_CASES, **SWAP_CASES, "tuner_flow": None}
+
+    def run(name):
+        if name == "tuner_flow":
+            return _tuner_flow_case()
+        return _swap_case(*SWAP_CASES[name]) if name in SWAP_CASES else _interp_case(*INTERP_CASES[name])
+
+    report_cases(cases, run)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +244,10 @@ def test_kernels_match_reference_interpreter(interp_results, name):
 @pytest.mark.parametrize("name", list(SWAP_CASES))
 def test_swap_kernel_and_fused_reduce_interpreter(interp_results, name):
     assert_case(interp_results[name], need_any=True)
+
+
+def test_tuner_flow_interpreter(interp_results):
+    assert_case(interp_results["tuner_flow"], need_any=True)
 
 
 # --------------------------------------------------------------------------------------
