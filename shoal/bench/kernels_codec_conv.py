@@ -27,10 +27,10 @@ BACKENDS = {"cudnn_ncl": {"channels_last": False, "triton_conv": False},
             "cudnn_nlc": {"channels_last": True, "triton_conv": False},
             "triton": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
             "triton_epilogue": {"channels_last": True, "triton_conv": True, "snake_epilogue": True},
-            "triton_flat_snake": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
+            "triton_tiled_snake": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
             "triton_accurate_sin": {"channels_last": True, "triton_conv": True, "snake_epilogue": False}}
 # environment a backend runs under (restored after it)
-BACKEND_ENV = {"triton_flat_snake": {"SHOAL_SNAKE_FLAT": "1"},
+BACKEND_ENV = {"triton_tiled_snake": {"SHOAL_SNAKE_FLAT": "0"},
                "triton_accurate_sin": {"SHOAL_SNAKE_ACCURATE_SIN": "1"}}
 
 # the decoder's Snake sites: (channels, samples per frame) at its four rates (44.1 kHz / 2048-sample frames)
@@ -218,14 +218,12 @@ def epilogue_call(codec, batch: int, frames: int, dev, dtype, channels=(96, 192)
                                                                   snake_out=sn, write_out=False))
         r["res_out_snake_us"] = graph_time_us(lambda: conv1d_cl_triton(x, w, bias, d, residual=res, out=out,
                                                                      snake_alpha=alpha, snake_out=sn))
-        r["separate_snake_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
-        os.environ["SHOAL_SNAKE_FLAT"] = "1"  # the flat 1-D Snake kernel on the same tensors
-        try:
+        with _env({"SHOAL_SNAKE_FLAT": "0"}):  # the tiled Snake kernel
+            r["separate_snake_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
+            r["separate_snake_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
+        with _env({"SHOAL_SNAKE_FLAT": "1"}):  # the flat 1-D Snake kernel on the same tensors
             r["separate_snake_flat_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
             r["separate_snake_flat_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
-        finally:
-            os.environ.pop("SHOAL_SNAKE_FLAT")
-        r["separate_snake_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
         log(f"epilogue {key} B={B}: plain {r['plain_us']:.1f} snake-only {r['snake_only_us']:.1f} "
             f"res+out+snake {r['res_out_snake_us']:.1f} separate snake {r['separate_snake_us']:.1f} "
             f"(flat {r['separate_snake_flat_us']:.1f}), with residual {r['separate_snake_residual_us']:.1f} "

@@ -69,8 +69,8 @@ if HAS_TRITON:
     def _fast_sin_impl(x):
         """sin(x) for fp32 x on the GPU: x reduced to [-pi, pi] (Cody-Waite, two FMAs with
         2*pi split in fp32 head and tail), then the SFU's ``sin.approx.f32`` (absolute error
-        below 2^-20.9 there). Used only where the result is rounded to bf16 / fp16, whose ulp
-        is far above that error (tests check <= 1 ulp against PyTorch's accurate sine)."""
+        below 2^-20.9 there). Used only where the result is rounded to bf16, whose ulp is far
+        above that error (tests check <= 1 ulp against PyTorch's accurate sine)."""
         k = libdevice.rint(x * 0.15915494309189535)
         r = tl.fma(-k, 6.2831854820251465, x)
         r = tl.fma(-k, -1.7484556000744883e-07, r)
@@ -182,12 +182,14 @@ _FLAT_BLOCK = 2048
 
 def sin_mode(dtype: torch.dtype, interpret: bool) -> int:
     """The Snake kernels' sine (their ``ACCURATE_SIN`` constexpr): 0 under the interpreter
-    (libdevice has no interpreter implementation; numpy's sine), 1 libdevice's accurate ``sinf``
-    for fp32 (and for every dtype with ``SHOAL_SNAKE_ACCURATE_SIN=1``), 2 the range-reduced SFU
-    sine for bf16 / fp16, whose rounding hides its error."""
+    (libdevice has no interpreter implementation; numpy's sine), 2 the range-reduced SFU sine
+    for bf16, whose 8-bit mantissa hides its error (within 1 ulp of PyTorch's Snake, measured
+    on an H200), 1 libdevice's accurate ``sinf`` otherwise: fp32, fp16 (whose 11-bit
+    significand showed 2-ulp differences with the SFU sine) and every dtype with
+    ``SHOAL_SNAKE_ACCURATE_SIN=1``."""
     if interpret:
         return 0
-    if dtype == torch.float32 or os.environ.get("SHOAL_SNAKE_ACCURATE_SIN", "0") == "1":
+    if dtype != torch.bfloat16 or os.environ.get("SHOAL_SNAKE_ACCURATE_SIN", "0") == "1":
         return 1
     return 2
 
@@ -199,9 +201,10 @@ def _flat_rows(C: int, *ts: Tensor | None) -> bool:
 
 
 def _flat_enabled() -> bool:
-    """``SHOAL_SNAKE_FLAT=1``: channels-last Snakes run the flat 1-D kernel (same numbers as the
-    tiled one; opt-in until measured on a GPU)."""
-    return os.environ.get("SHOAL_SNAKE_FLAT", "0") == "1"
+    """Channels-last Snakes run the flat 1-D kernel (the same numbers as the tiled one; on an
+    H200 at batch 64 it was 1.0-1.4x faster at every decoder rate, 4.2 TB/s with the residual
+    add, docs/benchmarks.md); ``SHOAL_SNAKE_FLAT=0`` keeps the tiled kernel."""
+    return os.environ.get("SHOAL_SNAKE_FLAT", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _tile(t: Tensor) -> tuple[int, int]:
