@@ -81,9 +81,10 @@ def random_prompt(config: ModelConfig, text_tokens: int, ref_frames: int, rng: n
 
 
 def random_codec(device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 config=None):
+                 config=None, decode_dtype: torch.dtype | None = None):
     """The real-size modded-DAC codec (391M parameters) with random weights (or the codec of
-    ``config``, a :class:`~shoal.codec.config.CodecConfig`)."""
+    ``config``, a :class:`~shoal.codec.config.CodecConfig`), in ``dtype``; ``decode_dtype``
+    puts the decode-only modules in another precision (as ``load_codec``)."""
     from ..codec.config import CodecConfig
     from ..codec.loader import convert_state_dict
     from ..codec.model import Codec
@@ -95,4 +96,4 @@ def random_codec(device: str | torch.device = "cuda", dtype: torch.dtype = torch
     expected = {k: v.shape for k, v in codec.state_dict().items()}
     weights = convert_state_dict(random_codec_state_dict(cfg, seed), expected, source="random")
     codec.load_state_dict(weights, strict=True, assign=True)
-    return codec.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return codec.place(device, dtype, decode_dtype).eval().requires_grad_(False)

@@ -165,11 +165,14 @@ def load_codec(
     config: CodecConfig | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    decode_dtype: torch.dtype | None = None,
 ) -> Codec:
     """Load ``codec.pth`` (or a directory holding it) into an eval-mode :class:`Codec`.
 
     ``config=None`` follows the shoal convention: ``codec_config.json`` beside
-    the file if present, else :meth:`CodecConfig.real`.
+    the file if present, else :meth:`CodecConfig.real`. The codec is in ``dtype``;
+    ``decode_dtype`` (default: ``dtype``) puts its decode-only modules in another
+    precision (:meth:`Codec.set_decode_dtype`; both cast from the fp32 weights).
     """
     p = resolve_codec_path(path)
     if config is None:
@@ -180,7 +183,7 @@ def load_codec(
     expected = {k: v.shape for k, v in model.state_dict().items()}
     weights = convert_state_dict(sd, expected, source=str(p))
     model.load_state_dict(weights, strict=True, assign=True)
-    model = model.to(device=device, dtype=dtype)
+    model = model.place(device, dtype, decode_dtype)  # each side cast once from the fp32 weights
     model.eval()
     model.requires_grad_(False)
     return model

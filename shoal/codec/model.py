@@ -315,6 +315,9 @@ class DownsampleRVQ(nn.Module):
 
     def decode(self, codes: Tensor, state: StreamState | None = None, rope: Tensor | None = None) -> Tensor:
         z = self.codes_to_latent(self.clamp_codes(codes))
+        # the codebooks belong to the encode side; a codec whose decode side runs in another
+        # precision (Codec.set_decode_dtype) rounds the summed latent once, here
+        z = z.to(self.post_module.norm.weight.dtype)
         z = self.post_module(z, state, rope) if state is not None else self.post_module(z)
         return self.upsample(z, state)
 
@@ -345,7 +348,46 @@ class Codec(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The decode side's precision (audio out, streaming state): see :meth:`set_decode_dtype`."""
         return self.decoder.model[0].conv.weight.dtype
+
+    @property
+    def encode_dtype(self) -> torch.dtype:
+        """The encode side's precision (audio in, encoder, quantizer codebooks)."""
+        return self.encoder.block[0].conv.weight.dtype
+
+    def decode_modules(self) -> tuple[nn.Module, ...]:
+        """The modules only decode runs: ``quantizer.post_module``, ``quantizer.upsample`` and
+        ``decoder``. The codebooks and their projections are shared with encode (the code ->
+        latent lookup) and stay on the encode side."""
+        return self.quantizer.post_module, self.quantizer.upsample, self.decoder
+
+    def encode_modules(self) -> tuple[nn.Module, ...]:
+        """Everything else: the encoder, the quantizer's downsample and pre_module, and the
+        semantic and residual VQ codebooks and projections (decode uses those too)."""
+        q = self.quantizer
+        return self.encoder, q.semantic_quantizer, q.quantizer, q.downsample, q.pre_module
+
+    def place(self, device: str | torch.device, dtype: torch.dtype,
+              decode_dtype: torch.dtype | None = None) -> "Codec":
+        """Move to ``device`` in ``dtype``, the decode-only modules in ``decode_dtype`` when
+        given (each side cast once from the current weights); returns ``self``."""
+        if decode_dtype is None or decode_dtype == dtype:
+            return self.to(device=device, dtype=dtype)
+        for m in self.encode_modules():
+            m.to(device=device, dtype=dtype)
+        for m in self.decode_modules():
+            m.to(device=device, dtype=decode_dtype)
+        return self
+
+    def set_decode_dtype(self, dtype: torch.dtype) -> "Codec":
+        """Cast the decode-only modules (:meth:`decode_modules`) to ``dtype``, in place; the
+        encode side keeps its precision. ``decode`` then looks codes up in the encode-side
+        codebooks and rounds the summed latent to ``dtype`` once, before ``post_module``
+        (e.g. bf16 decode for serving speed, fp32 encode for exact reference codes)."""
+        for m in self.decode_modules():
+            m.to(dtype=dtype)
+        return self
 
     def _prepare_audio(self, audio: Tensor) -> Tensor:
         if audio.dim() == 1:
@@ -354,7 +396,7 @@ class Codec(nn.Module):
             audio = audio[:, None]
         if audio.dim() != 3 or audio.shape[1] != 1:
             raise ValueError(f"audio must be [B, 1, N] (mono), got shape {tuple(audio.shape)}")
-        audio = audio.to(device=self.device, dtype=self.dtype)
+        audio = audio.to(device=self.device, dtype=self.encode_dtype)
         n = audio.shape[-1]
         right = -n % self.frame_length
         return F.pad(audio, (0, right)) if right else audio
@@ -474,10 +516,10 @@ class Codec(nn.Module):
             longest += -longest % self.frame_length
             n = max(1, min(max_batch, max_batch_samples // max(longest, 1)))
             group = order[i: i + n]
-            batch = torch.zeros(len(group), 1, longest, dtype=self.dtype, device=self.device)
+            batch = torch.zeros(len(group), 1, longest, dtype=self.encode_dtype, device=self.device)
             lengths = []
             for r, j in enumerate(group):
-                batch[r, 0, : flat[j].numel()] = flat[j].to(device=self.device, dtype=self.dtype)
+                batch[r, 0, : flat[j].numel()] = flat[j].to(device=self.device, dtype=self.encode_dtype)
                 lengths.append(flat[j].numel())
             codes, code_lengths = self.encode(batch, torch.tensor(lengths))
             for r, j in enumerate(group):

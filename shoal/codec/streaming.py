@@ -65,12 +65,15 @@ class StreamingDecoder:
         ]
 
     def new_state(self, batch_size: int = 1, device=None, dtype=None) -> DecoderState:
-        """Fresh state for ``batch_size`` independent streams."""
+        """Fresh state for ``batch_size`` independent streams. Each module's state is in that
+        module's own precision (``post_module`` KV window, upsample and decoder conv contexts;
+        they differ only if a caller cast parts of the decode side apart), unless ``dtype``
+        forces one for all."""
         device = self.codec.device if device is None else device
-        dtype = self.codec.dtype if dtype is None else dtype
         tensors: dict[str, Tensor] = {}
         for m in self._stateful:
-            tensors.update(m.init_stream_state(batch_size, device, dtype))
+            tensors.update(m.init_stream_state(
+                batch_size, device, dtype if dtype is not None else _module_dtype(m, self.codec.dtype)))
         bounds = {self.codec.quantizer.post_module.state_key: 0}
         return DecoderState(tensors, bounds)
 
@@ -112,6 +115,14 @@ class StreamingDecoder:
         out = self.decode_chunk(codes, sub)
         pool.update_(index, sub)
         return out
+
+
+def _module_dtype(m: torch.nn.Module, default: torch.dtype) -> torch.dtype:
+    """The precision of ``m``'s first floating parameter (``default`` if it has none)."""
+    for p in m.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return default
 
 
 def _pow2_buckets(max_batch: int) -> tuple[int, ...]:
@@ -327,7 +338,8 @@ def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> Strea
     ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
     from ..kernels.codec_conv import codec_conv_enabled
 
-    if codec.device.type == "cuda" and codec_conv_enabled(next(codec.parameters()).dtype):
+    # the decode side's precision (a codec may encode in fp32 and decode in bf16)
+    if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True,
                                 snake_epilogue=os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0") == "1")
     elif os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
