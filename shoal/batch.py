@@ -473,7 +473,7 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
               device: str | None = "auto", dtype: str | None = "auto", max_running: int | None = None,
               max_new_tokens: int = 1024, chunk_length: int | None = None, audio: bool = True,
               progress: bool = True, log: Callable[[str], None] | None = None,
-              quantization: str | None = None) -> BatchSummary:
+              quantization: str | None = None, codec_dtype: str | None = "auto") -> BatchSummary:
     """Run a JSONL batch job; see the module docstring and docs/batch.md."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     requests = Path(requests)
@@ -501,7 +501,8 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
             return summary
         _generate(requests, pending, npy_codes, out, checkpoint, summary, device=device, dtype=dtype,
                   max_running=max_running, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
-                  audio=audio, progress=progress, say=say, quantization=quantization)
+                  audio=audio, progress=progress, say=say, quantization=quantization,
+                  codec_dtype=codec_dtype)
     return summary
 
 
@@ -527,11 +528,10 @@ def _reconcile_manifest(path: Path, lines: list[RequestLine], pending: list[Requ
 
 def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, np.ndarray], out: Path,
               checkpoint, summary: BatchSummary, *, device, dtype, max_running, max_new_tokens,
-              chunk_length, audio, progress, say, quantization=None) -> None:
-    import torch
+              chunk_length, audio, progress, say, quantization=None, codec_dtype=None) -> None:
     from tqdm import tqdm
 
-    from .checkpoint import codec_path, load_dualar, resolve_device, resolve_dtype
+    from .checkpoint import codec_path, load_dualar, resolve_codec_dtypes, resolve_device, resolve_dtype
     from .codec import load_codec, write_wav
     from .engine.engine import Engine, EngineConfig
     from .engine.request import EngineRequest, FinishEvent, Priority
@@ -551,7 +551,8 @@ def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, 
     audio_refs = sorted({r.path for ln in pending for r in ln.references if r.kind == "audio"})
     codec = None
     if audio or audio_refs:
-        codec = load_codec(codec_path(checkpoint), device=dev, dtype=torch.float32)
+        enc_dt, dec_dt = resolve_codec_dtypes(codec_dtype, dev)  # auto: bf16 decode + fp32 encode on CUDA
+        codec = load_codec(codec_path(checkpoint), device=dev, dtype=enc_dt, decode_dtype=dec_dt)
     tts = TTS(model, tokenizer, codec)
     frame_s = _frame_seconds(checkpoint, codec)
 
@@ -663,7 +664,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         summary = run_batch(args.requests, args.out, args.checkpoint, device=args.device,
                             dtype=args.dtype, max_running=args.max_running,
                             max_new_tokens=args.max_new_tokens, chunk_length=args.chunk_length,
-                            audio=not args.no_audio, quantization=args.quantization)
+                            audio=not args.no_audio, quantization=args.quantization,
+                            codec_dtype=args.codec_dtype)
     except KeyboardInterrupt:  # before generation started (loading, encoding references)
         print("\nshoal batch: interrupted before generation started; no outputs were written",
               file=sys.stderr)
@@ -680,6 +682,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def add_batch_parser(subparsers) -> argparse.ArgumentParser:
+    from .cli import add_codec_dtype_arg
+
     p = subparsers.add_parser(
         "batch", help="synthesize every line of a JSONL file (offline bulk jobs, resumable)",
         description="Synthesize every request of a JSONL file through the batching engine. "
@@ -695,6 +699,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: quantize a bf16 checkpoint to block-scaled FP8 at load")
+    add_codec_dtype_arg(p)
     p.add_argument("--max-running", type=int, default=None, metavar="N",
                    help="requests decoded together (default: 128 on CUDA, 16 on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=1024, metavar="N",

@@ -38,6 +38,32 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+CODEC_DTYPE_CHOICES = ("auto", "fp32", "bf16")  # --codec-dtype
+
+
+def resolve_codec_dtypes(choice: str | torch.dtype | None, device: torch.device | str) -> tuple[torch.dtype, torch.dtype]:
+    """``--codec-dtype`` -> (encode-side dtype, decode-side dtype) of the codec.
+
+    ``auto`` (or None): on CUDA the decode side in bf16 (the Triton conv + fused Snake serving
+    path, ~2.5x the fp32 decode's speed) and the encode side in fp32 (reference audio gives the
+    reference's codes), as the reference server runs them; fp32 everywhere on any other
+    device. Any other choice (``fp32``, ``bf16``, a dtype name or a ``torch.dtype``) puts the
+    whole codec in that precision.
+    """
+    if choice in (None, "auto"):
+        dev_type = device if isinstance(device, str) else device.type
+        dev_type = dev_type.split(":", 1)[0]
+        return (torch.float32, torch.bfloat16) if dev_type == "cuda" else (torch.float32, torch.float32)
+    dt = resolve_dtype(choice, torch.device("cpu"))
+    return dt, dt
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """bf16 / fp32 / fp16 (else the torch name)."""
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch."))
+
+
 def read_config(path: str | Path, tokenizer: TextTokenizer) -> ModelConfig:
     """config.json reconciled with the tokenizer's semantic id range."""
     path = Path(path)

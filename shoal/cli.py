@@ -37,6 +37,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "checkpoints from `shoal quantize` are detected and need no flag)")
 
 
+CODEC_DTYPE_HELP = ("codec precision (auto, the default: on CUDA decode in bf16, ~33 dB SNR against fp32, "
+                    "and encode reference audio in fp32; fp32 on CPU. fp32 / bf16: the whole codec; "
+                    "docs/codec.md)")
+
+
+def add_codec_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--codec-dtype auto|fp32|bf16`` (shoal say, shoal batch, shoal serve)."""
+    from .checkpoint import CODEC_DTYPE_CHOICES
+
+    p.add_argument("--codec-dtype", default="auto", choices=list(CODEC_DTYPE_CHOICES), help=CODEC_DTYPE_HELP)
+
+
 def _add_reference_args(p: argparse.ArgumentParser, audio: bool) -> None:
     if audio:
         p.add_argument("--reference", action="append", default=[], metavar="CLIP",
@@ -86,7 +98,7 @@ def cmd_say(args: argparse.Namespace) -> int:
     from .tts import TTS
 
     tts = TTS.load(_checkpoint(args.checkpoint), device=args.device, dtype=args.dtype,
-                   quantization=args.quantization)
+                   quantization=args.quantization, codec_dtype=args.codec_dtype)
     refs = _references(args, tts)
     fidelity = Fidelity.reference(tts.family) if args.reference_mode else Fidelity()
     out = tts.synthesize(args.text, refs, _sampling(args, tts.family), seed=args.seed,
@@ -171,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("text")
     say.add_argument("-o", "--output", required=True, help="output .wav path")
     _add_model_args(say)
+    add_codec_dtype_arg(say)
     _add_reference_args(say, audio=True)
     say.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
     say.add_argument("--temperature", type=float, default=0.8)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import codec_path, load_dualar, resolve_device, resolve_dtype
+from .checkpoint import codec_path, load_dualar, resolve_codec_dtypes, resolve_device, resolve_dtype
 from .codec import Codec, load_audio, load_codec
 from .engine.generate import Fidelity, GenerationResult, generate, make_noise
 from .engine.sampling import SamplingParams
@@ -42,13 +42,15 @@ class TTS:
     def load(cls, checkpoint: str | Path, device: str | None = None, dtype: str | None = None,
              codec: str | Path | None = None, quantization: str | None = None,
              codec_dtype: str | None = None) -> "TTS":
-        """``codec_dtype``: the codec's precision, fp32 by default (bf16 halves its memory
-        traffic at ~33 dB SNR against fp32, see docs/codec.md)."""
+        """``codec_dtype``: the codec's precision (:func:`~shoal.checkpoint.resolve_codec_dtypes`):
+        ``auto`` (default) decodes in bf16 and encodes in fp32 on CUDA, fp32 on CPU; ``fp32`` /
+        ``bf16`` put the whole codec in that precision (bf16 decode is ~33 dB SNR against
+        fp32, see docs/codec.md)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         model, tokenizer = load_dualar(checkpoint, device=dev, dtype=dt, quantization=quantization)
-        cdt = resolve_dtype(codec_dtype or "fp32", dev)
-        codec_model = load_codec(codec_path(codec or checkpoint), device=dev, dtype=cdt)
+        enc_dt, dec_dt = resolve_codec_dtypes(codec_dtype, dev)
+        codec_model = load_codec(codec_path(codec or checkpoint), device=dev, dtype=enc_dt, decode_dtype=dec_dt)
         return cls(model, tokenizer, codec_model)
 
     @property
@@ -64,7 +66,7 @@ class TTS:
         samples = audio if isinstance(audio, np.ndarray) else load_audio(audio)
         x = torch.as_tensor(samples, dtype=torch.float32, device=self.model.device)[None, None]
         with torch.inference_mode():
-            codes, lengths = self.codec.encode(x.to(next(self.codec.parameters()).dtype))
+            codes, lengths = self.codec.encode(x)  # cast to the encode side's precision
         return codes[0, :, : int(lengths[0])].cpu().numpy().astype(np.int64)
 
     def decode(self, codes: np.ndarray) -> np.ndarray:

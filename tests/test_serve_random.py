@@ -78,6 +78,7 @@ def test_random_model_serves_exact_frame_counts(random_server):
     ready = httpx.get(random_server.url + "/v1/ready", trust_env=False).json()
     assert ready["random_weights"] is True and "benchmark only" in ready["warning"]
     assert ready["model"] == "random tiny" and ready["model_family"] == "s2"
+    assert ready["codec_dtype"] == {"encode": "fp32", "decode": "fp32"}  # --codec-dtype auto on CPU
     # EOS is ignored: a request yields exactly min(max_new_tokens, cap) frames
     assert _pcm_frames(random_server, {"text": "Hello there, how are you?", "max_new_tokens": 5}) == 5
     assert _pcm_frames(random_server, {"text": "你好，世界。", "max_new_tokens": 0}) == CAP
@@ -130,7 +131,7 @@ def test_serve_quantization_flag_loads_fp8(tiny_s2_checkpoint):
 
     assert _serve_args("--quantization", "fp8").quantization == "fp8"
     assert _serve_args().quantization == "none"
-    assert _serve_args().codec_dtype == "fp32" and _serve_args("--codec-dtype", "bf16").codec_dtype == "bf16"
+    assert _serve_args().codec_dtype == "auto" and _serve_args("--codec-dtype", "bf16").codec_dtype == "bf16"
     svc = TTSService.load(tiny_s2_checkpoint, device="cpu", max_running=2, quantization="fp8",
                           codec_dtype="bf16")
     try:

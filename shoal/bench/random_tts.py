@@ -74,8 +74,9 @@ def random_model_config(name: str) -> ModelConfig:
 def random_tts(name: str, device: str | None = None, dtype: str | None = None, seed: int = 0,
                quantization: str | None = None, codec_dtype: str | None = None):
     """A :class:`~shoal.tts.TTS` with random weights at the shapes of ``name`` (``s2-pro`` | ``tiny``):
-    the DualAR in ``dtype`` (auto: bf16 on CUDA), the codec in ``codec_dtype`` (fp32 by default, as ``TTS.load``)."""
-    from ..checkpoint import resolve_device, resolve_dtype
+    the DualAR in ``dtype`` (auto: bf16 on CUDA), the codec in ``codec_dtype`` (as ``TTS.load``: auto
+    by default, i.e. bf16 decode + fp32 encode on CUDA, fp32 on CPU)."""
+    from ..checkpoint import resolve_codec_dtypes, resolve_device, resolve_dtype
     from ..tts import TTS
 
     config = random_model_config(name)
@@ -83,8 +84,8 @@ def random_tts(name: str, device: str | None = None, dtype: str | None = None, s
     dt = resolve_dtype(dtype, dev)
     tokenizer = s2_layout_tokenizer()
     model = random_dualar(config, device=dev, dtype=dt, seed=seed, quantization=quantization)
-    codec = random_codec(device=dev, dtype=resolve_dtype(codec_dtype or "fp32", dev), seed=seed,
-                         config=_codec_config(name))
+    enc_dt, dec_dt = resolve_codec_dtypes(codec_dtype, dev)
+    codec = random_codec(device=dev, dtype=enc_dt, seed=seed, config=_codec_config(name), decode_dtype=dec_dt)
     return TTS(model, tokenizer, codec)
 
 

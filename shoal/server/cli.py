@@ -21,6 +21,8 @@ RANDOM_MODEL_DEFAULT_CAP = 300  # frames per request when --random-model runs wi
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import add_codec_dtype_arg
+
     p = subparsers.add_parser(
         "serve", help="run the HTTP server (Fish /v1/tts, OpenAI /v1/audio/speech)",
         description="Serve a Fish Speech model over the Fish Audio API (the official fish-audio-sdk "
@@ -35,9 +37,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32", "fp16"],
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--codec-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="codec precision (default fp32; bf16 halves its memory traffic at ~33 dB SNR "
-                        "against fp32; docs/codec.md)")
+    add_codec_dtype_arg(p)
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: quantize the DualAR to block-scaled FP8 at load (FP8 checkpoints from "
                         "`shoal quantize` are detected and need no flag); docs/quantization.md")
@@ -119,11 +119,13 @@ def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
     service = TTSService.from_tts(tts, max_running=args.max_running, max_seq_len=args.max_seq_len,
                                   model_name=f"random {args.random_model}", random_weights=True,
                                   prefill_chunk=args.prefill_chunk)
+    cdt = service.codec_dtype or {}
     log.warning("RANDOM WEIGHTS, BENCHMARK ONLY: %s shapes (DualAR %.2fB parameters %s, codec %.0fM "
-                "parameters) built on %s in %.1f s; the audio is noise; <|im_end|> is ignored and every "
-                "request yields exactly min(max_new_tokens, %s) frames per text batch",
-                args.random_model, slow / 1e9, str(tts.model.dtype).removeprefix("torch."), codec / 1e6,
-                tts.model.device, time.perf_counter() - t, frames_cap)
+                "parameters, decode %s / encode %s) built on %s in %.1f s; the audio is noise; "
+                "<|im_end|> is ignored and every request yields exactly min(max_new_tokens, %s) frames "
+                "per text batch", args.random_model, slow / 1e9, str(tts.model.dtype).removeprefix("torch."),
+                codec / 1e6, cdt.get("decode"), cdt.get("encode"), tts.model.device,
+                time.perf_counter() - t, frames_cap)
     return service
 
 

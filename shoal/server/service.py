@@ -201,6 +201,16 @@ class TTSService:
     def max_running(self) -> int:
         return self.engine.engine.max_running
 
+    @property
+    def codec_dtype(self) -> dict[str, str] | None:
+        """The codec's precisions, ``{"encode": "fp32", "decode": "bf16"}`` (``--codec-dtype``)."""
+        from ..checkpoint import dtype_name
+
+        codec = getattr(self.tts, "codec", None)
+        if codec is None or not hasattr(codec, "encode_dtype"):
+            return None
+        return {"encode": dtype_name(codec.encode_dtype), "decode": dtype_name(codec.dtype)}
+
     def pending(self) -> int:
         """Requests the server holds: preparing (references, prompt) + engine waiting + running."""
         return self._preparing + self.engine.num_waiting + self.engine.num_running
