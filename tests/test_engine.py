@@ -165,14 +165,15 @@ def test_multibatch_dialogue_through_the_engine(s2, voice):
     assert eng.pool.hit_tokens > 0  # batch 1's prompt extends batch 0's sequence
 
 
-@pytest.mark.parametrize("audio_thread,max_call", [(False, 32), (True, 32), (False, 1), (True, None)])
-def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread, max_call):
+@pytest.mark.parametrize("audio_thread,max_call,fill", [(False, 32, False), (True, 32, False), (False, 1, False),
+                                                       (True, None, False), (False, 32, True), (True, 2, True)])
+def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread, max_call, fill):
     model, tok, ckpt = s2
     codec = load_codec(ckpt / "codec.pth")
     eng = Engine(model, tok.im_end_id, codec=codec,
                  config=EngineConfig(max_running=3, num_blocks=64, audio_thread=audio_thread,
                                      audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8),
-                                     audio_max_call_streams=max_call))
+                                     audio_max_call_streams=max_call, audio_fill_calls=fill))
     for i in range(3):
         eng.add_request(EngineRequest(session=session(tok, i, voice), params=SAMPLED, seed=i,
                                       max_new_tokens=13 + i, stream_audio=True, request_id=f"a{i}"))
@@ -252,6 +253,39 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     from shoal.engine.audio import AudioWorker
 
     AudioWorker(st).warmup()  # delegates to the streamer (a no-op for the eager CPU decoder)
+
+
+def test_audio_fill_calls_take_playing_streams_with_enough_frames(s2):
+    """With fill_calls, a call's spare rows take streams that already play audio and hold at
+    least the call's chunk size of frames (most urgent first), though their own next chunk is
+    not complete; a stream with no audio yet still waits for its whole first chunk."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    now = [0.0]
+    frames = np.zeros((10, 1), np.int64)
+
+    def streamer(fill):
+        st = AudioStreamer(load_codec(ckpt / "codec.pth"), 6, ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                           max_call_streams=3, clock=lambda: now[0], fill_calls=fill)
+        for rid in ("a", "b", "c"):  # all three play their first 2-frame chunk
+            st.push(rid, np.repeat(frames, 2, 1))
+        st.decode_ready()
+        now[0] = 0.01
+        st.push("a", np.repeat(frames, 4, 1))  # a's next chunk (4 frames) is complete
+        st.push("b", np.repeat(frames, 3, 1))  # b holds 3 of its 4: enough to ride a 2-frame call
+        st.push("c", np.repeat(frames, 1, 1))  # c holds 1: too few
+        st.push("n", np.repeat(frames, 1, 1))  # a new stream, 1 of its 2-frame first chunk
+        st.push("m", np.repeat(frames, 2, 1))  # a new stream whose first chunk is complete
+        return st
+
+    assert streamer(False).next_call() == (2, ["m"])
+    st = streamer(True)
+    assert st.next_call() == (2, ["m", "a", "b"])  # a and b ride along (equal deadlines: row order)
+    audio, _ = st.decode_ready(max_calls=1)
+    assert [(r, len(p)) for r, p in audio] == [("m", 2 * 2048), ("a", 2 * 2048), ("b", 2 * 2048)]
+    assert sum(f.shape[1] for f in st.pending["a"]) == 2 and sum(f.shape[1] for f in st.pending["b"]) == 1
+    assert st.chunks["b"] == 2  # the shorter chunk counts as one of b's chunks
 
 
 def test_failed_stream_takes_no_frames_until_released(s2):

@@ -49,6 +49,10 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
     params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30)
     submitted, inflight, finished = 0, {}, []
     first_audio: dict[str, float] = {}
+    # playback from each stream's first chunk on: when its audio so far ends, and how long it
+    # ran dry waiting for a later chunk (an underrun)
+    play_end: dict[str, float] = {}
+    dry: dict[str, float] = {}
     timeline: list[tuple[float, int]] = []
     total_frames = 0
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
@@ -65,8 +69,14 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
         for ev in engine.step():
             if isinstance(ev, FramesEvent):
                 total_frames += ev.codes.shape[1]
-            elif isinstance(ev, AudioEvent) and ev.request_id not in first_audio:
-                first_audio[ev.request_id] = time.perf_counter()
+            elif isinstance(ev, AudioEvent):
+                now = time.perf_counter()
+                rid = ev.request_id
+                first_audio.setdefault(rid, now)
+                end = play_end.get(rid, now)
+                if now > end:
+                    dry[rid] = dry.get(rid, 0.0) + (now - end)
+                play_end[rid] = max(end, now) + len(ev.pcm) / ev.sample_rate
             elif isinstance(ev, FinishEvent):
                 finished.append(inflight.pop(ev.request_id))
         timeline.append((time.perf_counter(), total_frames))
@@ -88,6 +98,9 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
         "ttfa_p99_ms": 1e3 * _pct(ttfa, 99) if ttfa else None,
         "audio_s_per_s": float(steady) * 2048 / 44100,
     }
+    if audio:
+        out["underrun_requests"] = sum(1 for v in dry.values() if v > 0)
+        out["underrun_s"] = float(sum(dry.values()))
     if torch.cuda.is_available():
         out["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -174,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(f"c={c:4d}  agg {r['aggregate_fps']:8.0f} fps  per-stream {r['per_stream_fps_mean']:6.1f}  "
               f"ttff p50 {r['ttff_p50_ms']:7.1f} ms p99 {r['ttff_p99_ms']:7.1f}  "
-              f"ttfa p50 {r['ttfa_p50_ms'] or float('nan'):7.1f} ms  mem {r.get('gpu_mem_peak_gib', 0):.1f} GiB",
+              f"ttfa p50 {r['ttfa_p50_ms'] or float('nan'):7.1f} ms p99 {r['ttfa_p99_ms'] or float('nan'):7.1f}  "
+              + (f"underruns {r['underrun_requests']} req {r['underrun_s']:.2f} s  " if "underrun_s" in r else "")
+              + f"mem {r.get('gpu_mem_peak_gib', 0):.1f} GiB",
               file=sys.stderr, flush=True)
         save()
     save()

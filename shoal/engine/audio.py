@@ -40,13 +40,16 @@ class ChunkSchedule:
 
 class AudioStreamer:
     def __init__(self, codec, max_streams: int, schedule: ChunkSchedule = ChunkSchedule(),
-                 max_call_streams: int | None = 32, clock=time.perf_counter) -> None:
+                 max_call_streams: int | None = 32, clock=time.perf_counter, fill_calls: bool = False) -> None:
         schedule.validate()
         if max_call_streams is not None and max_call_streams < 1:
             raise ValueError("max_call_streams must be >= 1 (or None for no limit)")
         self.codec = codec
         self.schedule = schedule
         self.max_call_streams = max_call_streams
+        # fill a call's spare rows with playing streams that hold at least its chunk size of
+        # frames though their own next chunk is not complete (they get a shorter chunk, earlier)
+        self.fill_calls = fill_calls
         self.clock = clock
         self.play_end: dict[str, float] = {}  # when the audio delivered so far finishes playing
         self.since: dict[str, float] = {}  # when a stream's first frames arrived
@@ -134,7 +137,21 @@ class AudioStreamer:
             return None
         n = ready[0][3]
         rids = [rid for _, _, rid, need in ready if need == n]
+        if self.fill_calls and (self.max_call_streams is None or len(rids) < self.max_call_streams):
+            rids += [rid for _, _, rid in self._fillers(n, set(rids))]
         return n, rids[: self.max_call_streams] if self.max_call_streams else rids
+
+    def _fillers(self, n: int, taken: set[str]) -> list[tuple[float, int, str]]:
+        """(deadline, row, rid) of streams outside ``taken`` that already play audio and hold at
+        least ``n`` pending frames: riders for a call of ``n`` frames (most urgent first). A
+        stream with no audio yet waits for its full first chunk."""
+        out = []
+        for rid, frames in self.pending.items():
+            if rid in taken or rid not in self.play_end:
+                continue
+            if sum(f.shape[1] for f in frames) >= n:
+                out.append((self.play_end[rid], self.rows[rid], rid))
+        return sorted(out)
 
     def decode_ready(self, max_calls: int | None = None) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
         """Decode ready chunks, most urgent first (see :meth:`next_call`), until none is left

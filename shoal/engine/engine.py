@@ -46,6 +46,9 @@ class EngineConfig:
     # streams per codec call (most urgent first); bounds how long a first chunk can wait
     # behind one call of other streams' later chunks; None = one call per chunk size
     audio_max_call_streams: int | None = 32
+    # a codec call's spare rows take playing streams holding at least its chunk size of frames
+    # (shorter chunks for them, fewer and fuller calls); default off, env SHOAL_AUDIO_FILL=1
+    audio_fill_calls: bool | None = None
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
     overlap_decode: bool | None = None
@@ -87,7 +90,11 @@ class Engine:
         if codec is not None:
             threaded = (cfg.audio_thread if cfg.audio_thread is not None
                         else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
-            streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams)
+            fill = cfg.audio_fill_calls
+            if fill is None:
+                fill = os.environ.get("SHOAL_AUDIO_FILL", "0").strip().lower() in ("1", "true", "yes", "on")
+            streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
+                                     fill_calls=fill)
             if on_cuda and cfg.num_blocks is None:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
