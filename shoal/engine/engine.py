@@ -47,7 +47,9 @@ class EngineConfig:
     # behind one call of other streams' later chunks; None = one call per chunk size
     audio_max_call_streams: int | None = 32
     # a codec call's spare rows take playing streams holding at least its chunk size of frames
-    # (shorter chunks for them, fewer and fuller calls); default off, env SHOAL_AUDIO_FILL=1
+    # (shorter chunks for them, fewer and fuller calls): on an H200 at c=64 it took playback
+    # underruns from 57 of 128 streams to none at the same throughput (docs/benchmarks.md);
+    # default on, env SHOAL_AUDIO_FILL=0 turns it off
     audio_fill_calls: bool | None = None
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
@@ -92,7 +94,7 @@ class Engine:
                         else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
             fill = cfg.audio_fill_calls
             if fill is None:
-                fill = os.environ.get("SHOAL_AUDIO_FILL", "0").strip().lower() in ("1", "true", "yes", "on")
+                fill = os.environ.get("SHOAL_AUDIO_FILL", "1").strip().lower() not in ("0", "false", "no", "off")
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
                                      fill_calls=fill)
             if on_cuda and cfg.num_blocks is None:
