@@ -54,14 +54,8 @@ def _packaged_table() -> dict:
 
 def old_config(M: int, N: int, K: int) -> dict | None:
     """The packaged table's entry for this cell (the bucket lookup of ``_tuned_config``)."""
-    table = _packaged_table().get(f"{N},{K}")
-    if not table:
-        return None
-    buckets = sorted(int(m) for m in table)
-    for b in buckets:
-        if M <= b:
-            return dict(table[str(b)])
-    return dict(table[str(buckets[-1])])
+    entry = fp8.bucket_entry(_packaged_table().get(f"{N},{K}"), M)
+    return dict(entry) if entry is not None else None
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -662,9 +662,9 @@ def _tuned_table() -> dict:
         return {}
 
 
-def _tuned_config(M: int, N: int, K: int) -> dict | None:
-    """The entry of the smallest tuned bucket >= M (the largest bucket for bigger M)."""
-    table = _tuned_table().get(f"{N},{K}")
+def bucket_entry(table: dict | None, M: int) -> dict | None:
+    """A tuned table's entry for one (N, K) (``{"M": config}``): the smallest bucket >= M, the
+    largest bucket for bigger M; None for an empty or missing table."""
     if not table:
         return None
     buckets = sorted(int(m) for m in table)
@@ -672,6 +672,11 @@ def _tuned_config(M: int, N: int, K: int) -> dict | None:
         if M <= b:
             return table[str(b)]
     return table[str(buckets[-1])]
+
+
+def _tuned_config(M: int, N: int, K: int) -> dict | None:
+    """The active table's entry for (N, K) and M's bucket (see :func:`bucket_entry`)."""
+    return bucket_entry(_tuned_table().get(f"{N},{K}"), M)
 
 
 @functools.lru_cache(maxsize=4096)  # per-call host overhead in eager prefill; callers copy, never mutate
