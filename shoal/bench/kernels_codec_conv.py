@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -218,10 +219,10 @@ def epilogue_call(codec, batch: int, frames: int, dev, dtype, channels=(96, 192)
                                                                   snake_out=sn, write_out=False))
         r["res_out_snake_us"] = graph_time_us(lambda: conv1d_cl_triton(x, w, bias, d, residual=res, out=out,
                                                                      snake_alpha=alpha, snake_out=sn))
-        with _env({"SHOAL_SNAKE_FLAT": "0"}):  # the tiled Snake kernel
+        with mock.patch.dict(os.environ, {"SHOAL_SNAKE_FLAT": "0"}):  # the tiled Snake kernel
             r["separate_snake_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
             r["separate_snake_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
-        with _env({"SHOAL_SNAKE_FLAT": "1"}):  # the flat 1-D Snake kernel on the same tensors
+        with mock.patch.dict(os.environ, {"SHOAL_SNAKE_FLAT": "1"}):  # the flat 1-D Snake kernel on the same tensors
             r["separate_snake_flat_us"] = graph_time_us(lambda: snake(out, alpha, out=sn))
             r["separate_snake_flat_residual_us"] = graph_time_us(lambda: snake(out, alpha, res, out=sn, h_out=out))
         log(f"epilogue {key} B={B}: plain {r['plain_us']:.1f} snake-only {r['snake_only_us']:.1f} "
@@ -230,24 +231,6 @@ def epilogue_call(codec, batch: int, frames: int, dev, dtype, channels=(96, 192)
             f"(flat {r['separate_snake_flat_residual_us']:.1f}) us")
         rows.append(r)
     return rows
-
-
-class _env:
-    """Set environment variables for a block, restoring the old values after it."""
-
-    def __init__(self, env: dict[str, str]):
-        self.env, self.old = env, {}
-
-    def __enter__(self):
-        self.old = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def snake_sweep(batch: int, frames: int, dev, dtype) -> list[dict]:
@@ -269,7 +252,7 @@ def snake_sweep(batch: int, frames: int, dev, dtype) -> list[dict]:
             for sin in ("fast", "accurate"):
                 env = {"SHOAL_SNAKE_FLAT": "1" if kernel == "flat" else "0",
                        "SHOAL_SNAKE_ACCURATE_SIN": "1" if sin == "accurate" else "0"}
-                with _env(env):
+                with mock.patch.dict(os.environ, env):
                     plain = graph_time_us(lambda: snake(x, alpha, out=sn))
                     resid = graph_time_us(lambda: snake(x, alpha, y, out=sn, h_out=h))
                 bpe = x.element_size()
@@ -347,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 codec.configure_serving(**kw)
                 try:
-                    with _env(BACKEND_ENV.get(name, {})):
+                    with mock.patch.dict(os.environ, BACKEND_ENV.get(name, {})):
                         r = decode_call(codec, B, T, dev)
                 except Exception as e:  # noqa: BLE001
                     r = {"batch": B, "frames": T, "error": f"{type(e).__name__}: {str(e)[:200]}"}
