@@ -2,7 +2,10 @@
 
 Each of ``c`` virtual clients submits a request (a ~300-token cloning-shaped prompt, 400
 frames, EOS ignored, sampled with top-k 30 / top-p 0.8 / temperature 0.8) and submits the next
-one as soon as it finishes. Reported per level: aggregate frames/s (over the middle 80% of
+one as soon as it finishes. By default every request clones a voice of its own (no prefix-cache
+hits: the worst case); ``--voices N`` draws each request's reference (the prompt's leading text
+and reference codes) from N fixed voices, as a server cloning its library voices sees it, so
+the voice-prefix cache serves those columns (the level's hit rate is reported). Reported per level: aggregate frames/s (over the middle 80% of
 frames), per-stream frames/s, time to first frame and first audio chunk (p50/p99), GPU memory.
 Weights are random (speed does not depend on their values) unless ``--checkpoint`` is given.
 """
@@ -43,8 +46,24 @@ def git_commit() -> str:
         return "unknown"
 
 
+def voice_prompts(config, prompt_tokens: int, ref_frames: int, voices: int, seed: int = 12345) -> list[np.ndarray]:
+    """``voices`` fixed cloning prompts; a request keeps one's reference part (leading text and
+    reference codes) and gets fresh target text (see :func:`prompt_for`)."""
+    rng = np.random.default_rng(seed)
+    return [random_prompt(config, prompt_tokens - ref_frames, ref_frames, rng) for _ in range(voices)]
+
+
+def prompt_for(config, prompt_tokens: int, ref_frames: int, rng: np.random.Generator,
+               voices: list[np.ndarray] | None) -> np.ndarray:
+    grid = random_prompt(config, prompt_tokens - ref_frames, ref_frames, rng)
+    if voices:
+        ref_end = (prompt_tokens - ref_frames) // 2 + ref_frames  # random_prompt: text/2, codes, text
+        grid[:, :ref_end] = voices[int(rng.integers(len(voices)))][:, :ref_end]
+    return grid
+
+
 def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, prompt_tokens: int,
-              ref_frames: int, audio: bool, seed: int) -> dict:
+              ref_frames: int, audio: bool, seed: int, voices: list[np.ndarray] | None = None) -> dict:
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.8, top_p=0.8, top_k=30)
     submitted, inflight, finished = 0, {}, []
@@ -56,10 +75,11 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
     timeline: list[tuple[float, int]] = []
     total_frames = 0
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    hit0, queried0 = engine.pool.hit_tokens, engine.pool.queried_tokens
     t0 = time.perf_counter()
     while len(finished) < n_requests:
         while len(inflight) < c and submitted < n_requests:
-            grid = random_prompt(model.config, prompt_tokens - ref_frames, ref_frames, rng)
+            grid = prompt_for(model.config, prompt_tokens, ref_frames, rng, voices)
             req = EngineRequest(session=GridSession(grid), params=params, seed=submitted,
                                 max_new_tokens=frames, ignore_eos=True, stream_audio=audio,
                                 request_id=f"c{c}-{submitted}")
@@ -97,6 +117,9 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
         "ttfa_p50_ms": 1e3 * _pct(ttfa, 50) if ttfa else None,
         "ttfa_p99_ms": 1e3 * _pct(ttfa, 99) if ttfa else None,
         "audio_s_per_s": float(steady) * 2048 / 44100,
+        "voices": len(voices) if voices else 0,
+        "prefix_hit_rate": ((engine.pool.hit_tokens - hit0) / (engine.pool.queried_tokens - queried0)
+                            if engine.pool.queried_tokens > queried0 else 0.0),
     }
     if audio:
         out["underrun_requests"] = sum(1 for v in dry.values() if v > 0)
@@ -140,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=300)
     p.add_argument("--ref-frames", type=int, default=200)
     p.add_argument("--requests-per-client", type=float, default=2.0)
+    p.add_argument("--voices", type=int, default=0,
+                   help="draw each request's reference from this many fixed voices (prefix-cache hits); "
+                        "0 = a new voice per request")
+    p.add_argument("--audio-sms", type=int, default=None,
+                   help="confine the codec's stream to this many SMs (EngineConfig.audio_sms; "
+                        "default: env SHOAL_AUDIO_SMS, else every SM)")
     p.add_argument("--max-running", type=int, default=128)
     p.add_argument("--audio", action="store_true", help="stream audio through the (random, real-size) codec")
     p.add_argument("--no-graphs", action="store_true")
@@ -164,17 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     engine = Engine(model, S2_IM_END, codec=codec, config=EngineConfig(
         max_running=args.max_running, num_blocks=None if dev.type == "cuda" else 2048, cuda_graphs=not args.no_graphs, max_seq_len=4096,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms,
         audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
     t = time.perf_counter()
     engine.warmup()
     print(f"graphs captured in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    voices = voice_prompts(cfg, args.prompt_tokens, args.ref_frames, args.voices) if args.voices else None
     run_level(engine, model, 2, 2, 8, args.prompt_tokens, args.ref_frames, args.audio, 999)  # warm-up
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
             "torch": torch.__version__, "commit": git_commit(),
             "model": f"{args.shape} shapes, random {args.dtype} weights"
                      + (" (FP8 block-scaled)" if args.quantization == "fp8" else ""),
-            "args": vars(args)}
+            "args": vars(args),
+            "audio_sms": engine.audio.sms if engine.audio is not None else None}
     results = []
 
     def save() -> None:  # after every level: a run cut short keeps the levels it finished
@@ -183,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
 
     for c in levels:
         n = max(int(round(c * args.requests_per_client)), 2)
-        r = run_level(engine, model, c, n, args.frames, args.prompt_tokens, args.ref_frames, args.audio, c)
+        r = run_level(engine, model, c, n, args.frames, args.prompt_tokens, args.ref_frames, args.audio, c, voices)
         results.append(r)
         print(f"c={c:4d}  agg {r['aggregate_fps']:8.0f} fps  per-stream {r['per_stream_fps_mean']:6.1f}  "
               f"ttff p50 {r['ttff_p50_ms']:7.1f} ms p99 {r['ttff_p99_ms']:7.1f}  "
               f"ttfa p50 {r['ttfa_p50_ms'] or float('nan'):7.1f} ms p99 {r['ttfa_p99_ms'] or float('nan'):7.1f}  "
               + (f"underruns {r['underrun_requests']} req {r['underrun_s']:.2f} s  " if "underrun_s" in r else "")
+              + (f"prefix hits {100 * r['prefix_hit_rate']:.0f}%  " if voices else "")
               + f"mem {r.get('gpu_mem_peak_gib', 0):.1f} GiB",
               file=sys.stderr, flush=True)
         save()

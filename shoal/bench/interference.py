@@ -122,13 +122,25 @@ def rate_alone(fn, dev, seconds: float) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def rates_together(llm, codec_call, dev, seconds: float) -> tuple[float, float]:
+def codec_stream(dev, sms: int):
+    """The codec side's stream: an ordinary one (``sms`` 0) or one confined to ``sms`` SMs
+    (:mod:`shoal.engine.sm_partition`); None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    if sms:
+        from ..engine.sm_partition import sm_partition
+
+        return sm_partition(dev, sms).stream()
+    return torch.cuda.Stream(dev)
+
+
+def rates_together(llm, codec_call, dev, seconds: float, stream=None) -> tuple[float, float]:
     """(LLM steps/s, codec calls/s) while a thread loops codec calls on its own stream."""
     stop = threading.Event()
     done = [0]
     started = threading.Event()
     errors: list[BaseException] = []
-    stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+    stream = stream if stream is not None else (torch.cuda.Stream(dev) if dev.type == "cuda" else None)
 
     def loop():
         try:
@@ -173,15 +185,16 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = report["runs"]
-    labels = [f"priority {r['llm_priority']}" for r in runs]
+    labels = [f"prio {r['llm_priority']}" + (f", codec {r['codec_sms']} SMs" if r.get("codec_sms") else "")
+              for r in runs]
     llm = [r["frames_per_s_loaded"] / r["frames_per_s_alone"] for r in runs]
     codec = [r["codec_audio_s_per_s_loaded"] / report["codec_audio_s_per_s_alone"] for r in runs]
     x = np.arange(len(runs))
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(runs)), 4))
     ax.bar(x - 0.2, llm, 0.4, label="LLM frames/s (loaded / alone)")
     ax.bar(x + 0.2, codec, 0.4, bottom=0, label="codec audio s/s (loaded / alone)")
     ax.axhline(1.0, color="gray", ls="--")
-    ax.set_xticks(x, labels)
+    ax.set_xticks(x, labels, fontsize=7)
     ax.set(ylabel="share of the rate alone", ylim=(0, 1.1),
            title=f"LLM batch {report['batch']} vs codec {report['codec_batch']}x{report['codec_frames']}")
     ax.legend(fontsize=8)
@@ -197,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec", default="64x32", help="codec call: streams x frames")
     p.add_argument("--seconds", type=float, default=3.0, help="duration of each measurement")
     p.add_argument("--priorities", default="1,0", help="SHOAL_LLM_PRIORITY values to compare (CUDA)")
+    p.add_argument("--codec-sms", default="0",
+                   help="comma list: SMs the codec's stream may use (0 = all, an ordinary stream; "
+                        "else a green-context partition, shoal.engine.sm_partition)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro")
     p.add_argument("--out", default="interference.json")
@@ -236,24 +252,35 @@ def main(argv: list[str] | None = None) -> int:
     log(f"codec {cb}x{ct} alone: {1e3 / codec_alone:.2f} ms per call, "
         f"{codec_alone * audio_per_call:.0f} audio s/s")
     prios = args.priorities.split(",") if dev.type == "cuda" else [None]
+    sms_list = [int(v) for v in args.codec_sms.split(",")] if dev.type == "cuda" else [0]
     for prio in prios:
         llm = LLMStep(eng, args.batch, prio)
         alone = rate_alone(llm, dev, args.seconds)
         llm.rewind()
-        llm_rate, codec_rate = rates_together(llm, codec_call, dev, args.seconds)
-        llm.rewind()
-        run = {"llm_priority": prio, "step_ms_alone": 1e3 / alone, "frames_per_s_alone": alone * args.batch,
-               "step_ms_loaded": 1e3 / llm_rate if llm_rate else float("inf"),
-               "frames_per_s_loaded": llm_rate * args.batch,
-               "codec_call_ms_loaded": 1e3 / codec_rate if codec_rate else float("inf"),
-               "codec_audio_s_per_s_loaded": codec_rate * audio_per_call,
-               "sharing": llm_rate / alone + codec_rate / codec_alone}
-        report["runs"].append(run)
-        log(f"priority {prio}: step {run['step_ms_alone']:.2f} ms alone, {run['step_ms_loaded']:.2f} ms "
-            f"with the codec ({run['frames_per_s_loaded']:.0f} frames/s); codec {run['codec_call_ms_loaded']:.1f} "
-            f"ms per call under load ({run['codec_audio_s_per_s_loaded']:.0f} audio s/s); "
-            f"sharing {run['sharing']:.2f}")
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        for sms in sms_list:
+            stream = codec_stream(dev, sms)
+            run = {"llm_priority": prio, "codec_sms": sms}
+            if sms:
+                from ..engine.sm_partition import sm_partition
+
+                run["codec_sms_granted"] = sm_partition(dev, sms).sm_count
+                with torch.cuda.stream(stream):
+                    part_alone = rate_alone(codec_call, dev, args.seconds)
+                run["codec_call_ms_alone_partition"] = 1e3 / part_alone
+            llm_rate, codec_rate = rates_together(llm, codec_call, dev, args.seconds, stream)
+            llm.rewind()
+            run.update({"step_ms_alone": 1e3 / alone, "frames_per_s_alone": alone * args.batch,
+                        "step_ms_loaded": 1e3 / llm_rate if llm_rate else float("inf"),
+                        "frames_per_s_loaded": llm_rate * args.batch,
+                        "codec_call_ms_loaded": 1e3 / codec_rate if codec_rate else float("inf"),
+                        "codec_audio_s_per_s_loaded": codec_rate * audio_per_call,
+                        "sharing": llm_rate / alone + codec_rate / codec_alone})
+            report["runs"].append(run)
+            log(f"priority {prio}, codec SMs {sms or 'all'}: step {run['step_ms_alone']:.2f} ms alone, "
+                f"{run['step_ms_loaded']:.2f} ms with the codec ({run['frames_per_s_loaded']:.0f} frames/s); "
+                f"codec {run['codec_call_ms_loaded']:.1f} ms per call under load "
+                f"({run['codec_audio_s_per_s_loaded']:.0f} audio s/s); sharing {run['sharing']:.2f}")
+            Path(args.out).write_text(json.dumps(report, indent=1))
     Path(args.out).write_text(json.dumps(report, indent=1))
     try:
         plot(report, Path(args.out).with_suffix(".png"))

@@ -228,7 +228,7 @@ class AudioWorker:
     either way (streaming decode is chunk-schedule invariant).
     """
 
-    def __init__(self, streamer: AudioStreamer, threaded: bool = False) -> None:
+    def __init__(self, streamer: AudioStreamer, threaded: bool = False, sms: int | None = None) -> None:
         import queue
         import threading
 
@@ -238,11 +238,30 @@ class AudioWorker:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
-        self._cuda_stream = (torch.cuda.Stream(streamer.device)
-                             if threaded and streamer.device.type == "cuda" else None)
+        self.sms: int | None = None  # SMs the codec's stream is confined to (None: all)
+        self._cuda_stream = None
+        if threaded and streamer.device.type == "cuda":
+            self._cuda_stream = self._stream(streamer.device, sms)
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="shoal-audio", daemon=True)
             self._thread.start()
+
+    def _stream(self, device: torch.device, sms: int | None):
+        """The worker's CUDA stream: confined to ``sms`` SMs when asked and possible (a driver
+        without green contexts gets an ordinary stream and a warning)."""
+        if sms:
+            from .sm_partition import SMPartitionError, sm_partition
+
+            try:
+                part = sm_partition(device, sms)
+                self.sms = part.sm_count
+                return part.stream()
+            except SMPartitionError as e:
+                import warnings
+
+                warnings.warn(f"codec stream not confined to {sms} SMs ({e}); it may use every SM",
+                              RuntimeWarning, stacklevel=3)
+        return torch.cuda.Stream(device)
 
     # ------------------------------------------------------------------ engine side
     def warmup(self) -> None:

@@ -51,6 +51,10 @@ class EngineConfig:
     # underruns from 57 of 128 streams to none at the same throughput (docs/benchmarks.md);
     # default on, env SHOAL_AUDIO_FILL=0 turns it off
     audio_fill_calls: bool | None = None
+    # confine the codec's stream to this many SMs (a CUDA green context,
+    # shoal.engine.sm_partition), so its convolutions never hold the SMs the decode step needs;
+    # None = env SHOAL_AUDIO_SMS (unset or 0: an ordinary stream that may use every SM)
+    audio_sms: int | None = None
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
     overlap_decode: bool | None = None
@@ -101,7 +105,10 @@ class Engine:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
                 streamer.warmup()
-            self.audio = AudioWorker(streamer, threaded)
+            sms = cfg.audio_sms
+            if sms is None:
+                sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
+            self.audio = AudioWorker(streamer, threaded, sms=sms or None)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
