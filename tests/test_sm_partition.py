@@ -74,13 +74,13 @@ def test_gpu_partition_stream_is_correct_and_confined():
     # 16 of ~132 SMs: ~8x the time when confined; 2x is the loosest sign of confinement
     assert confined > 2.0 * full, (confined, full, part.sm_count)
 
-    # a CUDA graph captured on an ordinary stream and replayed on the partition stream
+    # a CUDA graph captured on the partition stream (a graph runs on the SMs of the stream
+    # it was captured on, not of the one that replays it: measured on an H200, 2026-12-01)
     g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(s):
         y = a @ b
-    side.synchronize()
-    with torch.cuda.graph(g):
+    s.synchronize()
+    with torch.cuda.graph(g, stream=s):
         y = a @ b
     with torch.cuda.stream(s):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         for sms in sms_list:
             stream = codec_stream(dev, sms)
             run = {"llm_priority": prio, "codec_sms": sms}
+            if hasattr(dec, "capture_stream"):
+                # graphs keep the SMs of their capture stream: re-capture on this one
+                dec.capture_stream = stream if sms else None
+                dec.graphs.clear()
             if sms:
                 from ..engine.sm_partition import sm_partition
 

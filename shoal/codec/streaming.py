@@ -186,6 +186,10 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self._pool = None
         self._lock = threading.RLock()
         self._failed: dict[tuple[int, int], str] = {}
+        # the stream graphs are warmed up and captured on (None: a fresh side stream). A graph
+        # keeps the SM partition of the stream it was captured on (a green-context stream,
+        # shoal.engine.sm_partition), not of the stream it is replayed on.
+        self.capture_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ graph path
     def bucket(self, batch: int) -> int | None:
@@ -258,7 +262,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         dev = self.codec.device
         codes = torch.zeros(bb, self.num_codebooks, t, dtype=torch.long, device=dev)
         views = self._views(bb)
-        side = torch.cuda.Stream(dev)
+        side = self.capture_stream if self.capture_stream is not None else torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.no_grad():
             with torch.cuda.stream(side):  # warm-up: cuDNN autotuning, Triton compilation
@@ -268,7 +272,8 @@ class GraphedStreamingDecoder(StreamingDecoder):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream,
+                                  capture_error_mode="thread_local"):
                 out = self._decode(codes, views, self.rope)
         g = _Graph(graph, codes, out)
         self.graphs[(bb, t)] = g

@@ -242,6 +242,10 @@ class AudioWorker:
         self._cuda_stream = None
         if threaded and streamer.device.type == "cuda":
             self._cuda_stream = self._stream(streamer.device, sms)
+            if self.sms is not None and hasattr(streamer.decoder, "capture_stream"):
+                # a CUDA graph runs on the SMs of the stream it was captured on, whatever
+                # stream replays it: the codec's graphs are captured on the partition stream
+                streamer.decoder.capture_stream = self._cuda_stream
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="shoal-audio", daemon=True)
             self._thread.start()

@@ -101,14 +101,15 @@ class Engine:
                 fill = os.environ.get("SHOAL_AUDIO_FILL", "1").strip().lower() not in ("0", "false", "no", "off")
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
                                      fill_calls=fill)
+            sms = cfg.audio_sms
+            if sms is None:
+                sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
+            # before the warm-up: graphs captured on a partition stream stay in the partition
+            self.audio = AudioWorker(streamer, threaded, sms=sms or None)
             if on_cuda and cfg.num_blocks is None:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
                 streamer.warmup()
-            sms = cfg.audio_sms
-            if sms is None:
-                sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
-            self.audio = AudioWorker(streamer, threaded, sms=sms or None)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
