@@ -207,9 +207,9 @@ def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     calls = []
     real = st._decode
 
-    def spy(rids, n):
+    def spy(rids, n, lane=None):
         calls.append((n, list(rids)))
-        return real(rids, n)
+        return real(rids, n, lane)
 
     st._decode = spy
     frames = np.zeros((10, 1), np.int64)
@@ -297,7 +297,7 @@ def test_failed_stream_takes_no_frames_until_released(s2):
     st = AudioStreamer(load_codec(ckpt / "codec.pth"), 2, ChunkSchedule(first=2, growth=1.0, max_frames=2))
     real = st._decode
 
-    def boom(rids, n):
+    def boom(rids, n, lane=None):
         raise RuntimeError("CUDA out of memory (simulated)")
 
     st._decode = boom
@@ -313,33 +313,77 @@ def test_failed_stream_takes_no_frames_until_released(s2):
     assert [r for r, _ in st.decode_ready()[0]] == ["x"]
 
 
-def test_threaded_audio_worker_makes_one_call_per_round(s2):
-    """The worker thread decodes one codec call, then reads its inbox again (so a first chunk
-    that arrives meanwhile is next), rather than every ready chunk at once."""
+@pytest.mark.parametrize("first_lane", [False, True])
+def test_threaded_audio_worker_makes_one_call_per_lane_at_a_time(s2, first_lane):
+    """The worker thread launches at most one codec call per lane, then reads its inbox again
+    (so a first chunk that arrives meanwhile is next), rather than every ready chunk at once;
+    with a first lane, first chunks and later chunks go to their own lanes."""
     import time
 
     from shoal.engine.audio import AudioStreamer, AudioWorker
 
     _, _, ckpt = s2
     st = AudioStreamer(load_codec(ckpt / "codec.pth"), 4, ChunkSchedule(first=2, growth=1.0, max_frames=2),
-                       max_call_streams=1)
-    seen = []
-    real = st.decode_ready
+                       max_call_streams=1, first_lane=first_lane)
+    assert len(st.lanes) == (2 if first_lane else 1)
+    launched = []
+    real = st._decode
 
-    def spy(max_calls=None):
-        seen.append(max_calls)
-        return real(max_calls)
+    def spy(rids, n, lane=None):
+        assert all(ln.inflight is None for ln in st.lanes if ln is lane)  # one call per lane at a time
+        launched.append((lane.name, st.chunks[rids[0]], list(rids)))
+        return real(rids, n, lane)
 
-    st.decode_ready = spy
+    st._decode = spy
     worker = AudioWorker(st, threaded=True)
     for rid in ("a", "b", "c"):
-        worker.push(rid, np.zeros((10, 2), np.int64))
+        worker.push(rid, np.zeros((10, 4), np.int64))  # two 2-frame chunks each
     got, deadline = [], time.monotonic() + 60
-    while len(got) < 3 and time.monotonic() < deadline:
+    while len(got) < 6 and time.monotonic() < deadline:
         got += [item for item in worker.poll(timeout=0.5) if item[0] == "audio"]
-    assert sorted(item[1] for item in got) == ["a", "b", "c"]
-    assert seen and set(seen) == {1}  # three streams, capped at one per call: at least three rounds
-    assert len(seen) >= 3
+    assert sorted(item[1] for item in got) == ["a", "a", "b", "b", "c", "c"]
+    assert len(launched) == 6 and all(len(rids) == 1 for _, _, rids in launched)
+    if first_lane:
+        assert {(name, chunk) for name, chunk, _ in launched} == {("first", 0), ("bulk", 1)}
+    else:
+        assert {name for name, _, _ in launched} == {"bulk"}
+
+
+def test_first_lane_streams_equal_single_lane_audio(s2):
+    """The same frames through one lane or through the first + bulk lanes give the same audio,
+    whatever the arrival order (the lanes share the state rows; rows are reset on first use)."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    codec = load_codec(ckpt / "codec.pth")
+    rng = np.random.default_rng(0)
+    codes = {rid: np.stack([rng.integers(0, 1024, 12) for _ in range(10)]) for rid in ("a", "b", "c")}
+    out = {}
+    for first_lane in (False, True):
+        st = AudioStreamer(codec, 2, ChunkSchedule(first=2, growth=2.0, max_frames=4), max_call_streams=2,
+                           first_lane=first_lane)
+        audio: dict[str, list] = {}
+
+        def run(rids_frames):
+            for rid, (a, b) in rids_frames:
+                st.push(rid, codes[rid][:, a:b])
+            for rid, pcm in st.decode_ready()[0]:
+                audio.setdefault(rid, []).append(pcm)
+
+        run([("a", (0, 3)), ("b", (0, 2))])
+        run([("a", (3, 12)), ("b", (2, 7))])
+        run([("b", (7, 12))])
+        for rid in ("a", "b"):
+            st.finish(rid)
+        run([])
+        assert sorted(st.take_done()) == ["a", "b"]
+        run([("c", (0, 12))])  # c takes a freed row: reset before its first call
+        st.finish("c")
+        run([])
+        out[first_lane] = {rid: np.concatenate(v) for rid, v in audio.items()}
+    for rid in ("a", "b", "c"):
+        assert out[True][rid].shape == (12 * 2048,)
+        np.testing.assert_allclose(out[True][rid], out[False][rid], atol=1e-5)
 
 
 @pytest.mark.parametrize("audio_thread", [False, True])
@@ -354,10 +398,10 @@ def test_codec_failure_fails_only_that_request(s2, voice, audio_thread):
     streamer = eng.audio.streamer
     real = streamer._decode
 
-    def flaky(rids, n):
+    def flaky(rids, n, lane=None):
         if "bad" in rids:
             raise RuntimeError("CUDA out of memory (simulated)")
-        return real(rids, n)
+        return real(rids, n, lane)
 
     streamer._decode = flaky
     eng.add_request(EngineRequest(session=session(tok, 0, voice), params=SAMPLED, seed=1, max_new_tokens=12,

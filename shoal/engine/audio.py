@@ -11,10 +11,19 @@ it has received so far finishes playing (a stream with no audio yet is due now),
 chunks go ahead of the later chunks of streams that are still playing. A call decodes at most
 ``max_call_streams`` streams, and the threaded worker re-reads its inbox after every call,
 so a first chunk waits behind at most one bounded call rather than behind every ready chunk.
+
+With ``first_lane`` (the default on CUDA), first chunks do not wait even for that: they have a
+lane of their own -- a second decoder (own CUDA graphs and static buffers) on a second CUDA
+stream of higher priority than the later chunks' -- and calls are asynchronous: the worker
+launches a call on each idle lane, and delivers each call's audio when its event completes.
+The two lanes share the per-stream state rows; a call waits (on the GPU) for the last call of
+another lane that touched one of its rows, and a row is reset on the stream of the first call
+that uses it, so a new stream's first chunk never queues behind a long call of later chunks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -40,7 +49,8 @@ class ChunkSchedule:
 
 class AudioStreamer:
     def __init__(self, codec, max_streams: int, schedule: ChunkSchedule = ChunkSchedule(),
-                 max_call_streams: int | None = 32, clock=time.perf_counter, fill_calls: bool = False) -> None:
+                 max_call_streams: int | None = 32, clock=time.perf_counter, fill_calls: bool = False,
+                 first_lane: bool = False) -> None:
         schedule.validate()
         if max_call_streams is not None and max_call_streams < 1:
             raise ValueError("max_call_streams must be >= 1 (or None for no limit)")
@@ -66,6 +76,19 @@ class AudioStreamer:
         self.pending: dict[str, list[np.ndarray]] = {}
         self.chunks: dict[str, int] = {}
         self.schedules: dict[str, ChunkSchedule] = {}
+        self._gen: dict[str, int] = {}  # a stream's row generation (a released id may come back)
+        self._inflight: dict[str, int] = {}  # calls launched, not yet delivered, per stream
+        self._fresh: set[int] = set()  # rows to reset before their first call
+        self._row_event: dict[int, tuple["_Lane", object]] = {}  # last call that touched a row
+        self._failed_calls: list[tuple[str, str]] = []
+        self._gen_counter = 0
+        self.bulk = _Lane("bulk", self.decoder)
+        self.first: _Lane | None = None
+        if first_lane:
+            first_calls = min(max_call_streams or max_streams, max_streams)
+            dec = serving_decoder(codec, max_batch=first_calls, chunk_frames=(schedule.first,))
+            self.first = _Lane("first", dec)
+        self.lanes = [lane for lane in (self.first, self.bulk) if lane is not None]
 
     def _row(self, rid: str, schedule: ChunkSchedule | None = None) -> int:
         row = self.rows.get(rid)
@@ -73,8 +96,10 @@ class AudioStreamer:
             if not self.free_rows:
                 raise RuntimeError("no free audio stream rows")
             row = self.free_rows.pop()
-            self.state.reset_([row])
+            self._fresh.add(row)  # reset on the stream of its first call (see _launch)
             self.rows[rid] = row
+            self._gen_counter += 1
+            self._gen[rid] = self._gen_counter
             self.pending[rid] = []
             self.chunks[rid] = 0
             self.schedules[rid] = schedule or self.schedule
@@ -83,8 +108,9 @@ class AudioStreamer:
 
     def warmup(self) -> None:
         """Capture the codec's CUDA graphs (every batch bucket x chunk size) before traffic."""
-        if hasattr(self.decoder, "warmup"):
-            self.decoder.warmup()
+        for lane in self.lanes:
+            if hasattr(lane.decoder, "warmup"):
+                lane.decoder.warmup()
 
     def push(self, rid: str, frames: np.ndarray, schedule: ChunkSchedule | None = None) -> None:
         """Queue frames of ``rid``; ``schedule`` (first push only) overrides the default.
@@ -95,7 +121,11 @@ class AudioStreamer:
         self._row(rid, schedule)
         self.pending[rid].append(frames)
 
-    def _decode(self, rids: list[str], n: int) -> list[np.ndarray]:
+    def _decode(self, rids: list[str], n: int, lane: "_Lane | None" = None) -> "_Call":
+        """Launch one codec call of ``n`` frames for ``rids`` on ``lane`` (default: the bulk
+        lane) and return it; its audio is read by :meth:`_complete`. On CUDA the call runs
+        asynchronously on the lane's stream (None: the current stream)."""
+        lane = lane or self.bulk
         rows = [self.rows[r] for r in rids]
         codes = []
         for r in rids:
@@ -103,14 +133,55 @@ class AudioStreamer:
             codes.append(buf[:, :n])
             rest = buf[:, n:]
             self.pending[r] = [rest] if rest.shape[1] else []
-        batch = torch.as_tensor(np.stack(codes), dtype=torch.long, device=self.device)
-        index = torch.tensor(rows, device=self.device)
-        with torch.inference_mode():
-            audio = self.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
+        cuda = self.device.type == "cuda"
+        ctx = torch.cuda.stream(lane.stream) if cuda and lane.stream is not None else contextlib.nullcontext()
+        with ctx, torch.inference_mode():
+            stream = torch.cuda.current_stream(self.device) if cuda else None
+            if stream is not None:
+                waited = set()
+                for row in rows:  # the last call of another lane that touched these rows
+                    last = self._row_event.get(row)
+                    if last is not None and last[0] is not lane and id(last[1]) not in waited:
+                        stream.wait_event(last[1])
+                        waited.add(id(last[1]))
+            fresh = [row for row in rows if row in self._fresh]
+            if fresh:
+                self.state.reset_(fresh)
+                self._fresh.difference_update(fresh)
+            batch = torch.as_tensor(np.stack(codes), dtype=torch.long).to(self.device, non_blocking=cuda)
+            index = torch.tensor(rows).to(self.device, non_blocking=cuda)
+            audio = lane.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
+            pcm = audio[:, 0].float()
+            event = None
+            if cuda:
+                host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+                host.copy_(pcm, non_blocking=True)
+                pcm = host
+                event = torch.cuda.Event()
+                event.record(stream)
+                for row in rows:
+                    self._row_event[row] = (lane, event)
         for r in rids:
             self.chunks[r] += 1
-        pcm = audio[:, 0].float().cpu().numpy()
-        return [pcm[i] for i in range(len(rids))]
+            self._inflight[r] = self._inflight.get(r, 0) + 1
+        return _Call(lane, list(rids), [self._gen[r] for r in rids], pcm, event)
+
+    def _complete(self, call: "_Call") -> list[tuple[str, np.ndarray]]:
+        """Deliver a finished call: ``(rid, pcm)`` of its streams that still hold their row."""
+        pcm = call.pcm.numpy()
+        if call.event is not None:
+            pcm = pcm.copy()  # the consumer keeps pageable memory, the pinned block goes back
+        out = []
+        now = self.clock()
+        for i, (rid, gen) in enumerate(zip(call.rids, call.gens)):
+            if self._inflight.get(rid):
+                self._inflight[rid] -= 1
+            if self._gen.get(rid) != gen:
+                continue  # released (cancelled or failed) after the launch
+            # playback (re)starts at delivery if the stream ran dry
+            self.play_end[rid] = max(self.play_end.get(rid, now), now) + pcm.shape[1] / self.sample_rate
+            out.append((rid, pcm[i]))
+        return out
 
     def _ready(self) -> list[tuple[float, int, str, int]]:
         """(deadline, row, rid, chunk frames) of every stream whose next chunk is complete."""
@@ -129,17 +200,30 @@ class AudioStreamer:
     def has_ready(self) -> bool:
         return bool(self._ready())
 
-    def next_call(self) -> tuple[int, list[str]] | None:
+    def next_call(self, lane: "_Lane | None" = None) -> tuple[int, list[str]] | None:
         """The next codec call, ``(frames, rids)``: the most urgent ready stream and the other
-        ready streams of its chunk size, most urgent first, at most ``max_call_streams``."""
+        ready streams of its chunk size, most urgent first, at most ``max_call_streams``.
+        With a first-chunk lane, ``lane`` picks among first chunks (that lane) or later chunks
+        (the bulk lane; None: any)."""
         ready = sorted(self._ready())
+        if self.first is not None and lane is not None:
+            want_first = lane is self.first
+            ready = [r for r in ready if (self.chunks[r[2]] == 0) == want_first]
         if not ready:
             return None
         n = ready[0][3]
         rids = [rid for _, _, rid, need in ready if need == n]
-        if self.fill_calls and (self.max_call_streams is None or len(rids) < self.max_call_streams):
+        first_call = self.first is not None and self.chunks[rids[0]] == 0
+        if (self.fill_calls and not first_call
+                and (self.max_call_streams is None or len(rids) < self.max_call_streams)):
             rids += [rid for _, _, rid in self._fillers(n, set(rids))]
         return n, rids[: self.max_call_streams] if self.max_call_streams else rids
+
+    def lane_of(self, rids: list[str]) -> "_Lane":
+        """The lane a call of these streams runs on: first chunks on the first lane (if any)."""
+        if self.first is not None and self.chunks[rids[0]] == 0:
+            return self.first
+        return self.bulk
 
     def _fillers(self, n: int, taken: set[str]) -> list[tuple[float, int, str]]:
         """(deadline, row, rid) of streams outside ``taken`` that already play audio and hold at
@@ -153,11 +237,55 @@ class AudioStreamer:
                 out.append((self.play_end[rid], self.rows[rid], rid))
         return sorted(out)
 
+    def launch(self, lane: "_Lane") -> bool:
+        """Launch the next call of ``lane`` if it is idle and has one; True when launched. A
+        call that raises (e.g. out of memory) releases its streams and reports them through
+        :meth:`collect`."""
+        if lane.inflight is not None:
+            return False
+        call = self.next_call(lane if self.first is not None else None)
+        if call is None:
+            return False
+        n, rids = call
+        try:
+            lane.inflight = self._decode(rids, n, lane)
+        except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
+            for rid in rids:
+                more = rid not in self.finishing  # the engine may still push frames
+                self.release(rid)
+                if more:
+                    self.failed.add(rid)
+                self._failed_calls.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
+        return True
+
+    def busy(self) -> bool:
+        """Some call is launched and not yet collected."""
+        return any(lane.inflight is not None for lane in self.lanes)
+
+    def collect(self, wait: bool = False) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
+        """``(audio, failed)`` of the calls that have finished (``wait``: of every launched
+        call), in launch order of their lanes' calls."""
+        out: list[tuple[str, np.ndarray]] = []
+        for lane in self.lanes:
+            call = lane.inflight
+            if call is None:
+                continue
+            if call.event is not None:
+                if wait:
+                    call.event.synchronize()
+                elif not call.event.query():
+                    continue
+            lane.inflight = None
+            out += self._complete(call)
+        failed, self._failed_calls = self._failed_calls, []
+        return out, failed
+
     def decode_ready(self, max_calls: int | None = None) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
         """Decode ready chunks, most urgent first (see :meth:`next_call`), until none is left
-        or ``max_calls`` calls were made. Returns ``(audio, failed)``: a codec call that raises
-        (e.g. out of memory) releases its streams and lists them as ``(rid, message)``; the
-        other streams go on."""
+        or ``max_calls`` calls were made, waiting for each (the synchronous form of
+        :meth:`launch` + :meth:`collect`). Returns ``(audio, failed)``: a codec call that
+        raises (e.g. out of memory) releases its streams and lists them as ``(rid, message)``;
+        the other streams go on."""
         out: list[tuple[str, np.ndarray]] = []
         failed: list[tuple[str, str]] = []
         calls = 0
@@ -165,23 +293,12 @@ class AudioStreamer:
             call = self.next_call()
             if call is None:
                 break
-            n, rids = call
             calls += 1
-            try:
-                pcms = self._decode(rids, n)
-            except Exception as e:  # noqa: BLE001 - reported per request, the worker lives on
-                for rid in rids:
-                    more = rid not in self.finishing  # the engine may still push frames
-                    self.release(rid)
-                    if more:
-                        self.failed.add(rid)
-                    failed.append((rid, f"audio decode failed: {type(e).__name__}: {e}"[:300]))
-                continue
-            now = self.clock()
-            for rid, pcm in zip(rids, pcms):
-                # playback (re)starts at delivery if the stream ran dry
-                self.play_end[rid] = max(self.play_end.get(rid, now), now) + len(pcm) / self.sample_rate
-                out.append((rid, pcm))
+            lane = self.lane_of(call[1])
+            self.launch(lane)
+            audio, bad = self.collect(wait=True)
+            out += audio
+            failed += bad
         return out, failed
 
     def finish(self, rid: str) -> None:
@@ -197,7 +314,7 @@ class AudioStreamer:
     def take_done(self) -> list[str]:
         """Finished streams whose last audio is out (rows freed), in finishing order."""
         for rid in list(self.finishing):
-            if not any(f.shape[1] for f in self.pending[rid]):
+            if not any(f.shape[1] for f in self.pending[rid]) and not self._inflight.get(rid):
                 self.release(rid)
                 self._done.append(rid)
         done, self._done = self._done, []
@@ -214,6 +331,27 @@ class AudioStreamer:
             self.schedules.pop(rid, None)
             self.play_end.pop(rid, None)
             self.since.pop(rid, None)
+            self._gen.pop(rid, None)
+            self._inflight.pop(rid, None)
+
+
+@dataclass
+class _Lane:
+    """A sequence of codec calls: a decoder (own graphs and static buffers) and the CUDA stream
+    its calls run on (None: the caller's current stream); at most one call in flight."""
+    name: str
+    decoder: object
+    stream: object = None
+    inflight: "_Call | None" = None
+
+
+@dataclass
+class _Call:
+    lane: _Lane
+    rids: list[str]
+    gens: list[int]
+    pcm: torch.Tensor  # [B, samples] float32 on the host (pinned on CUDA: valid once event is done)
+    event: object = None
 
 
 class AudioWorker:
@@ -246,26 +384,32 @@ class AudioWorker:
                 # a CUDA graph runs on the SMs of the stream it was captured on, whatever
                 # stream replays it: the codec's graphs are captured on the partition stream
                 streamer.decoder.capture_stream = self._cuda_stream
+            if streamer.first is not None:
+                # first chunks: a stream of higher priority than the later chunks' (graph
+                # kernels take the priority of the stream they were captured on)
+                streamer.first.stream = self._stream(streamer.device, sms, priority=-1)
+                if hasattr(streamer.first.decoder, "capture_stream"):
+                    streamer.first.decoder.capture_stream = streamer.first.stream
         if threaded:
             self._thread = threading.Thread(target=self._loop, name="shoal-audio", daemon=True)
             self._thread.start()
 
-    def _stream(self, device: torch.device, sms: int | None):
-        """The worker's CUDA stream: confined to ``sms`` SMs when asked and possible (a driver
-        without green contexts gets an ordinary stream and a warning)."""
+    def _stream(self, device: torch.device, sms: int | None, priority: int = 0):
+        """A CUDA stream for the worker: confined to ``sms`` SMs when asked and possible (a
+        driver without green contexts gets an ordinary stream and a warning)."""
         if sms:
             from .sm_partition import SMPartitionError, sm_partition
 
             try:
                 part = sm_partition(device, sms)
                 self.sms = part.sm_count
-                return part.stream()
+                return part.stream(priority)
             except SMPartitionError as e:
                 import warnings
 
                 warnings.warn(f"codec stream not confined to {sms} SMs ({e}); it may use every SM",
                               RuntimeWarning, stacklevel=3)
-        return torch.cuda.Stream(device)
+        return torch.cuda.Stream(device, priority=priority)
 
     # ------------------------------------------------------------------ engine side
     def warmup(self) -> None:
@@ -310,7 +454,7 @@ class AudioWorker:
         except queue.Empty:
             return cmds
 
-    def _process(self, cmds: list[tuple], max_calls: int | None = None) -> None:
+    def _apply(self, cmds: list[tuple]) -> None:
         s = self.streamer
         for kind, rid, frames, schedule in cmds:
             if kind == "push":
@@ -319,24 +463,52 @@ class AudioWorker:
                 s.finish(rid)
             else:
                 s.release(rid)
-        audio, failed = s.decode_ready(max_calls)
+
+    def _deliver(self, audio, failed) -> None:
         for rid, pcm in audio:
             self._outbox.put(("audio", rid, pcm))
         for rid, msg in failed:
             self._outbox.put(("error", rid, msg))
-        for rid in s.take_done():  # after the stream's last audio
+        for rid in self.streamer.take_done():  # after the stream's last audio
             self._outbox.put(("done", rid))
+
+    def _process(self, cmds: list[tuple], max_calls: int | None = None) -> None:
+        """Inline form: apply the commands, decode what is ready (waiting for each call)."""
+        self._apply(cmds)
+        self._deliver(*self.streamer.decode_ready(max_calls))
+
+    def _round(self, cmds: list[tuple]) -> None:
+        """Threaded form: apply the commands, deliver the calls that finished, then launch the
+        next call on every idle lane (asynchronous: the loop is back at its inbox at once)."""
+        s = self.streamer
+        self._apply(cmds)
+        self._deliver(*s.collect())
+        for lane in s.lanes:
+            s.launch(lane)
+        _, failed = s.collect() if s._failed_calls else ([], [])
+        if failed:
+            self._deliver([], failed)
 
     def _loop(self) -> None:
         import contextlib
+        import queue
 
         ctx = torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()
+        s = self.streamer
         try:
             with ctx:
                 while True:
-                    # one codec call per round, then the inbox again: a first chunk that
-                    # arrives meanwhile is decoded next, not after every chunk that was ready
-                    cmds = self._drain() if self.streamer.has_ready() else [self._inbox.get()] + self._drain()
-                    self._process(cmds, max_calls=1)
+                    # one call per lane at a time, then the inbox again: a first chunk that
+                    # arrives meanwhile is launched next (on its own lane when there is one)
+                    if s.busy():
+                        try:  # calls in flight: poll their events about every millisecond
+                            cmds = [self._inbox.get(timeout=0.001)] + self._drain()
+                        except queue.Empty:
+                            cmds = []
+                    elif s.has_ready():
+                        cmds = self._drain()
+                    else:
+                        cmds = [self._inbox.get()] + self._drain()
+                    self._round(cmds)
         except BaseException as e:  # surfaced to the engine by poll()
             self._error = e

@@ -55,6 +55,10 @@ class EngineConfig:
     # shoal.engine.sm_partition), so its convolutions never hold the SMs the decode step needs;
     # None = env SHOAL_AUDIO_SMS (unset or 0: an ordinary stream that may use every SM)
     audio_sms: int | None = None
+    # first chunks on a codec lane of their own (second decoder, higher-priority stream,
+    # asynchronous calls), so a new stream's first audio never waits behind a long call of
+    # later chunks; default on with the threaded worker on CUDA, env SHOAL_AUDIO_FIRST_LANE=0 off
+    audio_first_lane: bool | None = None
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
     overlap_decode: bool | None = None
@@ -99,8 +103,12 @@ class Engine:
             fill = cfg.audio_fill_calls
             if fill is None:
                 fill = os.environ.get("SHOAL_AUDIO_FILL", "1").strip().lower() not in ("0", "false", "no", "off")
+            first_lane = cfg.audio_first_lane
+            if first_lane is None:
+                first_lane = threaded and on_cuda and os.environ.get("SHOAL_AUDIO_FIRST_LANE", "1").strip().lower() \
+                    not in ("0", "false", "no", "off")
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
-                                     fill_calls=fill)
+                                     fill_calls=fill, first_lane=first_lane)
             sms = cfg.audio_sms
             if sms is None:
                 sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
