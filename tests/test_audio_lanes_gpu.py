@@ -58,11 +58,16 @@ def test_gpu_two_lane_worker_equals_eager(dtype):
                 pytest.fail(f"worker error: {item}")
     assert done == set(codes)
     eager = StreamingDecoder(codec)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
     for rid, c in codes.items():
         ref = eager.decode_chunk(torch.as_tensor(c[None], device="cuda"), eager.new_state(1))[0, 0].float().cpu().numpy()
         got = np.concatenate(audio[rid])
         assert got.shape == ref.shape
-        assert np.abs(got - ref).max() <= tol, (rid, np.abs(got - ref).max())
+        err = got - ref
+        if dtype == torch.float32:
+            assert np.abs(err).max() <= 1e-4, (rid, np.abs(err).max())
+        else:  # bf16: batched Triton convs vs a one-stream one-shot decode round differently;
+            # a lost or misplaced chunk would be ~0 dB
+            snr = 10 * np.log10(np.sum(ref ** 2) / max(np.sum(err ** 2), 1e-30))
+            assert snr >= 20, (rid, snr)
     stats = st.first.decoder.stats
     assert stats.replays > 0  # first chunks replayed the first lane's graphs

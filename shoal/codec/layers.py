@@ -105,6 +105,11 @@ class StreamState:
                 v.zero_()
             self.bounds = {k: 0 for k in self.bounds}
             return self
+        if not isinstance(index, Tensor) and len(index) <= 4:
+            for row in index:  # a few rows: views, no index upload (no host sync)
+                for v in self.tensors.values():
+                    v[int(row)].zero_()
+            return self
         index = _as_index(index, self)
         for v in self.tensors.values():
             v[index] = 0

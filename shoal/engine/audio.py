@@ -78,7 +78,6 @@ class AudioStreamer:
         self.schedules: dict[str, ChunkSchedule] = {}
         self._gen: dict[str, int] = {}  # a stream's row generation (a released id may come back)
         self._inflight: dict[str, int] = {}  # calls launched, not yet delivered, per stream
-        self._fresh: set[int] = set()  # rows to reset before their first call
         self._row_event: dict[int, tuple["_Lane", object]] = {}  # last call that touched a row
         self._failed_calls: list[tuple[str, str]] = []
         self._gen_counter = 0
@@ -96,7 +95,7 @@ class AudioStreamer:
             if not self.free_rows:
                 raise RuntimeError("no free audio stream rows")
             row = self.free_rows.pop()
-            self._fresh.add(row)  # reset on the stream of its first call (see _launch)
+            self._reset_row(row)
             self.rows[rid] = row
             self._gen_counter += 1
             self._gen[rid] = self._gen_counter
@@ -105,6 +104,19 @@ class AudioStreamer:
             self.schedules[rid] = schedule or self.schedule
             self.since[rid] = self.clock()
         return row
+
+    def _reset_row(self, row: int) -> None:
+        """Make ``row`` a fresh stream on the stream of its first call (the first lane's, if
+        any: every first chunk runs there), after the last call of another lane that used it.
+        Done when the stream's first frames arrive, off its first chunk's critical path."""
+        lane = self.first or self.bulk
+        cuda = self.device.type == "cuda"
+        ctx = torch.cuda.stream(lane.stream) if cuda and lane.stream is not None else contextlib.nullcontext()
+        with ctx:
+            last = self._row_event.pop(row, None)
+            if cuda and last is not None and last[0] is not lane:
+                torch.cuda.current_stream(self.device).wait_event(last[1])
+            self.state.reset_([row])
 
     def warmup(self) -> None:
         """Capture the codec's CUDA graphs (every batch bucket x chunk size) before traffic."""
@@ -144,10 +156,6 @@ class AudioStreamer:
                     if last is not None and last[0] is not lane and id(last[1]) not in waited:
                         stream.wait_event(last[1])
                         waited.add(id(last[1]))
-            fresh = [row for row in rows if row in self._fresh]
-            if fresh:
-                self.state.reset_(fresh)
-                self._fresh.difference_update(fresh)
             batch = torch.as_tensor(np.stack(codes), dtype=torch.long).to(self.device, non_blocking=cuda)
             index = torch.tensor(rows).to(self.device, non_blocking=cuda)
             audio = lane.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
