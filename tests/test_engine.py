@@ -337,14 +337,14 @@ def test_threaded_audio_worker_makes_one_call_per_lane_at_a_time(s2, first_lane)
     st._decode = spy
     worker = AudioWorker(st, threaded=True)
     for rid in ("a", "b", "c"):
-        worker.push(rid, np.zeros((10, 4), np.int64))  # two 2-frame chunks each
+        worker.push(rid, np.zeros((10, 6), np.int64))  # three 2-frame chunks each
     got, deadline = [], time.monotonic() + 60
-    while len(got) < 6 and time.monotonic() < deadline:
+    while len(got) < 9 and time.monotonic() < deadline:
         got += [item for item in worker.poll(timeout=0.5) if item[0] == "audio"]
-    assert sorted(item[1] for item in got) == ["a", "a", "b", "b", "c", "c"]
-    assert len(launched) == 6 and all(len(rids) == 1 for _, _, rids in launched)
-    if first_lane:
-        assert {(name, chunk) for name, chunk, _ in launched} == {("first", 0), ("bulk", 1)}
+    assert sorted(item[1] for item in got) == ["a"] * 3 + ["b"] * 3 + ["c"] * 3
+    assert len(launched) == 9 and all(len(rids) == 1 for _, _, rids in launched)
+    if first_lane:  # a starting stream's first two chunks on the first lane, the rest on the bulk lane
+        assert {(name, chunk) for name, chunk, _ in launched} == {("first", 0), ("first", 1), ("bulk", 2)}
     else:
         assert {name for name, _, _ in launched} == {"bulk"}
 

@@ -12,8 +12,9 @@ chunks go ahead of the later chunks of streams that are still playing. A call de
 ``max_call_streams`` streams, and the threaded worker re-reads its inbox after every call,
 so a first chunk waits behind at most one bounded call rather than behind every ready chunk.
 
-With ``first_lane`` (the default on CUDA), first chunks do not wait even for that: they have a
-lane of their own -- a second decoder (own CUDA graphs and static buffers) on a second CUDA
+With ``first_lane`` (the default on CUDA), a starting stream's chunks (its first
+``first_lane_chunks``, while it has little audio in hand) do not wait even for that: they have
+a lane of their own -- a second decoder (own CUDA graphs and static buffers) on a second CUDA
 stream of higher priority than the later chunks' -- and calls are asynchronous: the worker
 launches a call on each idle lane, and delivers each call's audio when its event completes.
 The two lanes share the per-stream state rows; a call waits (on the GPU) for the last call of
@@ -50,7 +51,7 @@ class ChunkSchedule:
 class AudioStreamer:
     def __init__(self, codec, max_streams: int, schedule: ChunkSchedule = ChunkSchedule(),
                  max_call_streams: int | None = 32, clock=time.perf_counter, fill_calls: bool = False,
-                 first_lane: bool = False) -> None:
+                 first_lane: bool = False, first_lane_chunks: int = 2) -> None:
         schedule.validate()
         if max_call_streams is not None and max_call_streams < 1:
             raise ValueError("max_call_streams must be >= 1 (or None for no limit)")
@@ -83,9 +84,13 @@ class AudioStreamer:
         self._gen_counter = 0
         self.bulk = _Lane("bulk", self.decoder)
         self.first: _Lane | None = None
+        if first_lane_chunks < 1:
+            raise ValueError("first_lane_chunks must be >= 1")
+        self.first_lane_chunks = first_lane_chunks  # a stream's chunks on the first lane
         if first_lane:
             first_calls = min(max_call_streams or max_streams, max_streams)
-            dec = serving_decoder(codec, max_batch=first_calls, chunk_frames=(schedule.first,))
+            sizes = tuple(sorted({schedule.size(i) for i in range(first_lane_chunks)}))
+            dec = serving_decoder(codec, max_batch=first_calls, chunk_frames=sizes)
             self.first = _Lane("first", dec)
         self.lanes = [lane for lane in (self.first, self.bulk) if lane is not None]
 
@@ -216,22 +221,26 @@ class AudioStreamer:
         ready = sorted(self._ready())
         if self.first is not None and lane is not None:
             want_first = lane is self.first
-            ready = [r for r in ready if (self.chunks[r[2]] == 0) == want_first]
+            ready = [r for r in ready if self._starting(r[2]) == want_first]
         if not ready:
             return None
         n = ready[0][3]
         rids = [rid for _, _, rid, need in ready if need == n]
-        first_call = self.first is not None and self.chunks[rids[0]] == 0
+        first_call = self.first is not None and self._starting(rids[0])
         if (self.fill_calls and not first_call
                 and (self.max_call_streams is None or len(rids) < self.max_call_streams)):
             rids += [rid for _, _, rid in self._fillers(n, set(rids))]
         return n, rids[: self.max_call_streams] if self.max_call_streams else rids
 
     def lane_of(self, rids: list[str]) -> "_Lane":
-        """The lane a call of these streams runs on: first chunks on the first lane (if any)."""
-        if self.first is not None and self.chunks[rids[0]] == 0:
+        """The lane a call of these streams runs on: starting streams on the first lane (if any)."""
+        if self.first is not None and self._starting(rids[0]):
             return self.first
         return self.bulk
+
+    def _starting(self, rid: str) -> bool:
+        """``rid``'s next chunk is one of its first ``first_lane_chunks`` (the first lane's)."""
+        return self.chunks[rid] < self.first_lane_chunks
 
     def _fillers(self, n: int, taken: set[str]) -> list[tuple[float, int, str]]:
         """(deadline, row, rid) of streams outside ``taken`` that already play audio and hold at
@@ -269,6 +278,11 @@ class AudioStreamer:
     def busy(self) -> bool:
         """Some call is launched and not yet collected."""
         return any(lane.inflight is not None for lane in self.lanes)
+
+    def finished_any(self) -> bool:
+        """Some launched call has finished on the device (cheap: one event query per lane)."""
+        return any(lane.inflight is not None and (lane.inflight.event is None or lane.inflight.event.query())
+                   for lane in self.lanes)
 
     def collect(self, wait: bool = False) -> tuple[list[tuple[str, np.ndarray]], list[tuple[str, str]]]:
         """``(audio, failed)`` of the calls that have finished (``wait``: of every launched
@@ -512,6 +526,8 @@ class AudioWorker:
                         try:  # calls in flight: poll their events about every millisecond
                             cmds = [self._inbox.get(timeout=0.001)] + self._drain()
                         except queue.Empty:
+                            if not s.finished_any():
+                                continue  # nothing new: no scheduling work (the GIL stays free)
                             cmds = []
                     elif s.has_ready():
                         cmds = self._drain()

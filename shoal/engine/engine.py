@@ -59,6 +59,8 @@ class EngineConfig:
     # asynchronous calls), so a new stream's first audio never waits behind a long call of
     # later chunks; default on with the threaded worker on CUDA, env SHOAL_AUDIO_FIRST_LANE=0 off
     audio_first_lane: bool | None = None
+    # how many of a stream's first chunks take the first lane (env SHOAL_AUDIO_FIRST_LANE_CHUNKS)
+    audio_first_lane_chunks: int | None = None
     # keep one decode step in flight: the host reads step N while the device runs step N+1
     # (default on; env SHOAL_DECODE_OVERLAP=0 turns it off)
     overlap_decode: bool | None = None
@@ -107,8 +109,9 @@ class Engine:
             if first_lane is None:
                 first_lane = threaded and on_cuda and os.environ.get("SHOAL_AUDIO_FIRST_LANE", "1").strip().lower() \
                     not in ("0", "false", "no", "off")
+            lane_chunks = cfg.audio_first_lane_chunks or int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_CHUNKS", "2"))
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
-                                     fill_calls=fill, first_lane=first_lane)
+                                     fill_calls=fill, first_lane=first_lane, first_lane_chunks=lane_chunks)
             sms = cfg.audio_sms
             if sms is None:
                 sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
