@@ -250,6 +250,8 @@ class AudioStreamer:
         for rid, frames in self.pending.items():
             if rid in taken or rid not in self.play_end:
                 continue
+            if self.first is not None and self._starting(rid):
+                continue  # the first lane's: its chunks stay in order there
             if sum(f.shape[1] for f in frames) >= n:
                 out.append((self.play_end[rid], self.rows[rid], rid))
         return sorted(out)
@@ -409,7 +411,10 @@ class AudioWorker:
             if streamer.first is not None:
                 # first chunks: a stream of higher priority than the later chunks' (graph
                 # kernels take the priority of the stream they were captured on)
-                streamer.first.stream = self._stream(streamer.device, sms, priority=-1)
+                import os
+
+                prio = int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_PRIORITY", "-1"))
+                streamer.first.stream = self._stream(streamer.device, sms, priority=prio)
                 if hasattr(streamer.first.decoder, "capture_stream"):
                     streamer.first.decoder.capture_stream = streamer.first.stream
         if threaded:
