@@ -12,7 +12,8 @@ chunks go ahead of the later chunks of streams that are still playing. A call de
 ``max_call_streams`` streams, and the threaded worker re-reads its inbox after every call,
 so a first chunk waits behind at most one bounded call rather than behind every ready chunk.
 
-With ``first_lane`` (the default on CUDA), a starting stream's chunks (its first
+With ``first_lane`` (opt-in: it trades playback underruns for first-audio latency, see
+``EngineConfig.audio_first_lane``), a starting stream's chunks (its first
 ``first_lane_chunks``, while it has little audio in hand) do not wait even for that: they have
 a lane of their own -- a second decoder (own CUDA graphs and static buffers) on a second CUDA
 stream of higher priority than the later chunks' -- and calls are asynchronous: the worker

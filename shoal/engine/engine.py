@@ -55,9 +55,11 @@ class EngineConfig:
     # shoal.engine.sm_partition), so its convolutions never hold the SMs the decode step needs;
     # None = env SHOAL_AUDIO_SMS (unset or 0: an ordinary stream that may use every SM)
     audio_sms: int | None = None
-    # first chunks on a codec lane of their own (second decoder, higher-priority stream,
-    # asynchronous calls), so a new stream's first audio never waits behind a long call of
-    # later chunks; default on with the threaded worker on CUDA, env SHOAL_AUDIO_FIRST_LANE=0 off
+    # a starting stream's chunks on a codec lane of their own (second decoder and CUDA stream),
+    # so its first audio never waits behind a long call of later chunks. Off by default: on an
+    # H200 at c=64 it cut first audio p50 (shared voices) from ~206 to 144-176 ms but gave
+    # 27-50 of 128 streams playback underruns (docs/benchmarks.md); needs the threaded worker
+    # on CUDA; env SHOAL_AUDIO_FIRST_LANE=1 turns it on
     audio_first_lane: bool | None = None
     # how many of a stream's first chunks take the first lane (env SHOAL_AUDIO_FIRST_LANE_CHUNKS)
     audio_first_lane_chunks: int | None = None
@@ -107,8 +109,8 @@ class Engine:
                 fill = os.environ.get("SHOAL_AUDIO_FILL", "1").strip().lower() not in ("0", "false", "no", "off")
             first_lane = cfg.audio_first_lane
             if first_lane is None:
-                first_lane = threaded and on_cuda and os.environ.get("SHOAL_AUDIO_FIRST_LANE", "1").strip().lower() \
-                    not in ("0", "false", "no", "off")
+                first_lane = threaded and on_cuda and os.environ.get("SHOAL_AUDIO_FIRST_LANE", "0").strip().lower() \
+                    not in ("0", "false", "no", "off", "")
             lane_chunks = cfg.audio_first_lane_chunks or int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_CHUNKS", "2"))
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
                                      fill_calls=fill, first_lane=first_lane, first_lane_chunks=lane_chunks)
