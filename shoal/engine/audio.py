@@ -162,19 +162,22 @@ class AudioStreamer:
                     if last is not None and last[0] is not lane and id(last[1]) not in waited:
                         stream.wait_event(last[1])
                         waited.add(id(last[1]))
-            batch = torch.as_tensor(np.stack(codes), dtype=torch.long).to(self.device, non_blocking=cuda)
-            index = torch.tensor(rows).to(self.device, non_blocking=cuda)
-            audio = lane.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
-            pcm = audio[:, 0].float()
             event = None
-            if cuda:
-                host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
-                host.copy_(pcm, non_blocking=True)
-                pcm = host
-                event = torch.cuda.Event()
-                event.record(stream)
-                for row in rows:
-                    self._row_event[row] = (lane, event)
+            try:
+                batch = torch.as_tensor(np.stack(codes), dtype=torch.long).to(self.device, non_blocking=cuda)
+                index = torch.tensor(rows).to(self.device, non_blocking=cuda)
+                audio = lane.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
+                pcm = audio[:, 0].float()
+                if cuda:
+                    host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+                    host.copy_(pcm, non_blocking=True)
+                    pcm = host
+            finally:
+                if cuda:  # also after a failure: whatever was queued on these rows is ordered
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    for row in rows:
+                        self._row_event[row] = (lane, event)
         for r in rids:
             self.chunks[r] += 1
             self._inflight[r] = self._inflight.get(r, 0) + 1
@@ -188,10 +191,10 @@ class AudioStreamer:
         out = []
         now = self.clock()
         for i, (rid, gen) in enumerate(zip(call.rids, call.gens)):
+            if self._gen.get(rid) != gen:
+                continue  # released (cancelled or failed) after the launch: not this stream's
             if self._inflight.get(rid):
                 self._inflight[rid] -= 1
-            if self._gen.get(rid) != gen:
-                continue  # released (cancelled or failed) after the launch
             # playback (re)starts at delivery if the stream ran dry
             self.play_end[rid] = max(self.play_end.get(rid, now), now) + pcm.shape[1] / self.sample_rate
             out.append((rid, pcm[i]))
@@ -291,17 +294,20 @@ class AudioStreamer:
         """``(audio, failed)`` of the calls that have finished (``wait``: of every launched
         call), in launch order of their lanes' calls."""
         out: list[tuple[str, np.ndarray]] = []
-        for lane in self.lanes:
+        # which calls are done, asked later lanes first: a bulk call may have waited (on the
+        # device) for a first-lane call of the same stream, so when it is done, so is that one,
+        # and the first lane's audio is delivered ahead of it (a stream's chunks stay in order)
+        done = {}
+        for lane in reversed(self.lanes):
             call = lane.inflight
-            if call is None:
-                continue
-            if call.event is not None:
-                if wait:
+            if call is not None:
+                if call.event is not None and wait:
                     call.event.synchronize()
-                elif not call.event.query():
-                    continue
-            lane.inflight = None
-            out += self._complete(call)
+                done[lane.name] = call.event is None or wait or call.event.query()
+        for lane in self.lanes:
+            if done.get(lane.name):
+                call, lane.inflight = lane.inflight, None
+                out += self._complete(call)
         failed, self._failed_calls = self._failed_calls, []
         return out, failed
 
@@ -513,9 +519,8 @@ class AudioWorker:
         self._deliver(*s.collect())
         for lane in s.lanes:
             s.launch(lane)
-        _, failed = s.collect() if s._failed_calls else ([], [])
-        if failed:
-            self._deliver([], failed)
+        if s._failed_calls:  # report a failed launch now (with any audio collected alongside)
+            self._deliver(*s.collect())
 
     def _loop(self) -> None:
         import contextlib
