@@ -175,3 +175,31 @@ def test_state_layout(dec, codec):
     st = dec.new_state(3)
     assert all(v.shape[0] == 3 for v in st.tensors.values())
     assert st.batch_size == 3
+
+
+def test_packed_state_rows_move_together(dec):
+    """new_state packs every tensor as a view of one [B, n] buffer per dtype: a row set in the
+    buffer is that row of every tensor; select / update_ / reset_ keep rows apart; replacing a
+    tensor unpacks the state, and per-tensor paths still work."""
+    from shoal.codec import DecoderState
+
+    st = dec.new_state(3)
+    assert st.flat is not None and {v.dtype for v in st.tensors.values()} == set(st.flat)
+    for f in st.flat.values():
+        f[1].fill_(1)
+    assert all(bool((v[1] == 1).all()) and not bool(v[0].any()) and not bool(v[2].any())
+               for v in st.tensors.values())
+    sub = st.select([1, 2])
+    assert sub.same_packing(st)
+    assert all(torch.equal(sub.tensors[k], st.tensors[k][[1, 2]]) for k in st.tensors)
+    st.reset_([1])
+    assert not any(bool(v.any()) for v in st.tensors.values())
+    st.update_([0, 2], sub)  # packed into packed: one scatter per dtype
+    assert all(bool((v[0] == 1).all()) and not bool(v[2].any()) for v in st.tensors.values())
+    plain = DecoderState({k: v.clone() for k, v in sub.tensors.items()})
+    assert plain.flat is None and not plain.same_packing(st)
+    st.update_([1, 0], plain)  # per-tensor path
+    assert all(bool((v[1] == 1).all()) and not bool(v[0].any()) for v in st.tensors.values())
+    key = next(iter(st.tensors))
+    st[key] = st.tensors[key].clone()
+    assert st.flat is None

@@ -63,6 +63,44 @@ class StreamState:
     def __init__(self, tensors: dict[str, Tensor] | None = None, bounds: dict[str, int] | None = None):
         self.tensors: dict[str, Tensor] = dict(tensors or {})
         self.bounds: dict[str, int] = dict(bounds or {})
+        # packed (see :meth:`packed`): per dtype one [B, n] buffer of which every tensor is a
+        # view, so a whole row moves in one gather / scatter per dtype; else None
+        self.flat: dict[torch.dtype, Tensor] | None = None
+        self.layout: tuple | None = None
+
+    @staticmethod
+    def packed(tensors: dict[str, Tensor], bounds: dict[str, int] | None = None) -> "StreamState":
+        """A state with the values of ``tensors`` whose tensors are views into one contiguous
+        ``[B, n]`` buffer per dtype (row r of every tensor lies in row r of its buffer)."""
+        B = next(iter(tensors.values())).shape[0] if tensors else 0
+        sizes: dict[torch.dtype, int] = {}
+        layout = []
+        for k, v in tensors.items():
+            n = v[0].numel() if B else int(torch.Size(v.shape[1:]).numel())
+            layout.append((k, v.dtype, tuple(v.shape[1:]), sizes.get(v.dtype, 0)))
+            sizes[v.dtype] = sizes.get(v.dtype, 0) + n
+        dev = next(iter(tensors.values())).device if tensors else None
+        flat = {dt: torch.empty(B, n, dtype=dt, device=dev) for dt, n in sizes.items()}
+        views = {}
+        for (k, dt, shape, off), v in zip(layout, tensors.values()):
+            n = int(torch.Size(shape).numel())
+            views[k] = flat[dt][:, off:off + n].view(B, *shape)
+            views[k].copy_(v)
+        out = StreamState(views, bounds)
+        out.flat, out.layout = flat, tuple(layout)
+        return out
+
+    def _packed_like(self, flat: dict[torch.dtype, Tensor]) -> "StreamState":
+        """A packed state of this one's layout over the buffers ``flat``."""
+        B = next(iter(flat.values())).shape[0] if flat else 0
+        views = {k: flat[dt][:, off:off + int(torch.Size(shape).numel())].view(B, *shape)
+                 for k, dt, shape, off in self.layout}
+        out = StreamState(views, self.bounds)
+        out.flat, out.layout = flat, self.layout
+        return out
+
+    def same_packing(self, other: "StreamState") -> bool:
+        return self.flat is not None and other.flat is not None and self.layout == other.layout
 
     # mapping access used by the layers
     def __getitem__(self, key: str) -> Tensor:
@@ -70,6 +108,7 @@ class StreamState:
 
     def __setitem__(self, key: str, value: Tensor) -> None:
         self.tensors[key] = value
+        self.flat = self.layout = None  # a replaced tensor is no view of the buffers any more
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
@@ -85,6 +124,8 @@ class StreamState:
         """A new state holding the rows ``index`` (copies for tensor/list indices)."""
         if not isinstance(index, slice):
             index = _as_index(index, self)
+        if self.flat is not None:
+            return self._packed_like({dt: f[index] for dt, f in self.flat.items()})
         return StreamState({k: v[index] for k, v in self.tensors.items()}, self.bounds)
 
     def update_(self, index: Tensor | Sequence[int], other: "StreamState") -> "StreamState":
@@ -92,8 +133,12 @@ class StreamState:
         index = _as_index(index, self)
         if set(other.tensors) != set(self.tensors):
             raise ValueError("stream states have different layouts")
-        for k, v in self.tensors.items():
-            v[index] = other.tensors[k].to(device=v.device, dtype=v.dtype)
+        if self.same_packing(other) and index.dtype != torch.bool:
+            for dt, f in self.flat.items():
+                f.index_copy_(0, index, other.flat[dt].to(f.device))
+        else:
+            for k, v in self.tensors.items():
+                v[index] = other.tensors[k].to(device=v.device, dtype=v.dtype)
         for k, b in other.bounds.items():
             self.bounds[k] = max(self.bounds.get(k, 0), b)
         return self
@@ -107,7 +152,7 @@ class StreamState:
             return self
         if not isinstance(index, Tensor) and len(index) <= 4:
             for row in index:  # a few rows: views, no index upload (no host sync)
-                for v in self.tensors.values():
+                for v in (self.flat.values() if self.flat is not None else self.tensors.values()):
                     v[int(row)].zero_()
             return self
         index = _as_index(index, self)

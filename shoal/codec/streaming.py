@@ -75,7 +75,10 @@ class StreamingDecoder:
             tensors.update(m.init_stream_state(
                 batch_size, device, dtype if dtype is not None else _module_dtype(m, self.codec.dtype)))
         bounds = {self.codec.quantizer.post_module.state_key: 0}
-        return DecoderState(tensors, bounds)
+        if torch.device(device).type == "meta":
+            return DecoderState(tensors, bounds)
+        # packed: a stream's whole row is gathered / scattered in one op per dtype
+        return DecoderState.packed(tensors, bounds)
 
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-stream shape and dtype of every state tensor (for preallocating slot pools)."""
@@ -205,8 +208,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
         B = codes.shape[0]
         codes_buf[:B].copy_(codes)
         codes_buf[B:].zero_()
-        for k, v in state.tensors.items():
-            dst = self.static_state.tensors[k][:B]
+        if state.same_packing(self.static_state):  # one gather per dtype
+            pairs = [(v, self.static_state.flat[dt][:B]) for dt, v in state.flat.items()]
+        else:
+            pairs = [(v, self.static_state.tensors[k][:B]) for k, v in state.tensors.items()]
+        for v, dst in pairs:
             if index is None:
                 dst.copy_(v)
             else:
@@ -215,8 +221,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self.static_state.tensors[self._pos_key][B: codes_buf.shape[0]].zero_()
 
     def _store(self, B: int, state: DecoderState, index: Tensor | None, t: int) -> None:
-        for k, v in state.tensors.items():
-            src = self.static_state.tensors[k][:B]
+        if state.same_packing(self.static_state):  # one scatter per dtype
+            pairs = [(v, self.static_state.flat[dt][:B]) for dt, v in state.flat.items()]
+        else:
+            pairs = [(v, self.static_state.tensors[k][:B]) for k, v in state.tensors.items()]
+        for v, src in pairs:
             if index is None:
                 v.copy_(src)
             else:
