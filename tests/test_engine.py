@@ -403,6 +403,33 @@ def test_worker_round_keeps_audio_collected_with_a_failure(s2):
     assert ("audio", "good") in kinds and ("error", "bad") in kinds
 
 
+def test_audio_stats_count_calls_and_first_chunk_waits(s2):
+    """The streamer counts its calls and times a first chunk from complete to launched and a
+    call from launch to delivery (here on a fake clock)."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    now = [0.0]
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 3, ChunkSchedule(first=2, growth=1.0, max_frames=2),
+                       clock=lambda: now[0])
+    frames = np.zeros((10, 1), np.int64)
+    st.push("a", frames)
+    now[0] = 1.0
+    st.push("a", frames)  # first chunk complete at t=1
+    st.push("b", np.repeat(frames, 2, 1))  # complete at t=1 too
+    now[0] = 1.25
+    st.decode_ready()  # one call of both at t=1.25
+    summary = st.stats.summary()
+    assert summary["codec_calls"] == 1 and summary["streams_per_call"] == 2 and summary["frames_per_call"] == 4
+    assert summary["first_chunk_queue_p50_ms"] == pytest.approx(250.0)
+    assert summary["codec_call_p50_ms"] == pytest.approx(0.0)
+    st.push("a", np.repeat(frames, 2, 1))
+    st.decode_ready()  # a later chunk: no first-chunk wait recorded
+    assert len(st.stats.first_queue_s) == 2 and st.stats.calls == 2
+    st.stats.reset()
+    assert st.stats.summary()["codec_calls"] == 0 and st.stats.summary()["codec_call_p50_ms"] is None
+
+
 def test_first_lane_streams_equal_single_lane_audio(s2):
     """The same frames through one lane or through the first + bulk lanes give the same audio,
     whatever the arrival order (the lanes share the state rows; rows are reset on first use)."""

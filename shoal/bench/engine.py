@@ -76,6 +76,8 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
     total_frames = 0
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     hit0, queried0 = engine.pool.hit_tokens, engine.pool.queried_tokens
+    if engine.audio is not None:
+        engine.audio.streamer.stats.reset()  # read by this thread only once the level is over
     t0 = time.perf_counter()
     while len(finished) < n_requests:
         while len(inflight) < c and submitted < n_requests:
@@ -124,6 +126,7 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
     if audio:
         out["underrun_requests"] = sum(1 for v in dry.values() if v > 0)
         out["underrun_s"] = float(sum(dry.values()))
+        out.update(engine.audio.streamer.stats.summary())
     if torch.cuda.is_available():
         out["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -219,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"c={c:4d}  agg {r['aggregate_fps']:8.0f} fps  per-stream {r['per_stream_fps_mean']:6.1f}  "
               f"ttff p50 {r['ttff_p50_ms']:7.1f} ms p99 {r['ttff_p99_ms']:7.1f}  "
               f"ttfa p50 {r['ttfa_p50_ms'] or float('nan'):7.1f} ms p99 {r['ttfa_p99_ms'] or float('nan'):7.1f}  "
-              + (f"underruns {r['underrun_requests']} req {r['underrun_s']:.2f} s  " if "underrun_s" in r else "")
+              + (f"underruns {r['underrun_requests']} req {r['underrun_s']:.2f} s  "
+                 f"first-chunk queue p50 {r['first_chunk_queue_p50_ms'] or float('nan'):.1f} ms  "
+                 f"codec call p50 {r['codec_call_p50_ms'] or float('nan'):.1f} ms  " if "underrun_s" in r else "")
               + (f"prefix hits {100 * r['prefix_hit_rate']:.0f}%  " if voices else "")
               + f"mem {r.get('gpu_mem_peak_gib', 0):.1f} GiB",
               file=sys.stderr, flush=True)

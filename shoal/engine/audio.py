@@ -83,6 +83,8 @@ class AudioStreamer:
         self._row_event: dict[int, tuple["_Lane", object]] = {}  # last call that touched a row
         self._failed_calls: list[tuple[str, str]] = []
         self._gen_counter = 0
+        self._first_ready: dict[str, float] = {}  # when a stream's first chunk was complete
+        self.stats = AudioStats()
         self.bulk = _Lane("bulk", self.decoder)
         self.first: _Lane | None = None
         if first_lane_chunks < 1:
@@ -138,6 +140,9 @@ class AudioStreamer:
             return
         self._row(rid, schedule)
         self.pending[rid].append(frames)
+        if self.chunks[rid] == 0 and rid not in self._first_ready:
+            if sum(f.shape[1] for f in self.pending[rid]) >= self.schedules[rid].size(0):
+                self._first_ready[rid] = self.clock()
 
     def _decode(self, rids: list[str], n: int, lane: "_Lane | None" = None) -> "_Call":
         """Launch one codec call of ``n`` frames for ``rids`` on ``lane`` (default: the bulk
@@ -178,13 +183,21 @@ class AudioStreamer:
                     event.record(stream)
                     for row in rows:
                         self._row_event[row] = (lane, event)
+        now = self.clock()
         for r in rids:
+            ready = self._first_ready.pop(r, None)
+            if ready is not None:
+                self.stats.first_queue_s.append(now - ready)
             self.chunks[r] += 1
             self._inflight[r] = self._inflight.get(r, 0) + 1
-        return _Call(lane, list(rids), [self._gen[r] for r in rids], pcm, event)
+        self.stats.calls += 1
+        self.stats.call_streams += len(rids)
+        self.stats.call_frames += len(rids) * n
+        return _Call(lane, list(rids), [self._gen[r] for r in rids], pcm, event, now)
 
     def _complete(self, call: "_Call") -> list[tuple[str, np.ndarray]]:
         """Deliver a finished call: ``(rid, pcm)`` of its streams that still hold their row."""
+        self.stats.call_s.append(self.clock() - call.launched)
         pcm = call.pcm.numpy()
         if call.event is not None:
             pcm = pcm.copy()  # the consumer keeps pageable memory, the pinned block goes back
@@ -364,6 +377,40 @@ class AudioStreamer:
             self.since.pop(rid, None)
             self._gen.pop(rid, None)
             self._inflight.pop(rid, None)
+            self._first_ready.pop(rid, None)
+
+
+@dataclass
+class AudioStats:
+    """Codec-call counters of an :class:`AudioStreamer` (recent samples in bounded deques):
+    ``first_queue_s`` is how long a stream's complete first chunk waited for its call's launch,
+    ``call_s`` a call's time from launch to delivery (the worker notices completion within
+    about a millisecond). :meth:`summary` gives p50 / p99 in ms; :meth:`reset` starts afresh."""
+    calls: int = 0
+    call_streams: int = 0
+    call_frames: int = 0
+    first_queue_s: object = None
+    call_s: object = None
+
+    def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        from collections import deque
+
+        self.calls = self.call_streams = self.call_frames = 0
+        self.first_queue_s, self.call_s = deque(maxlen=100_000), deque(maxlen=100_000)
+
+    def summary(self) -> dict:
+        def pct(xs, q):
+            return float(np.percentile(np.asarray(xs), q) * 1e3) if xs else None
+
+        return {"codec_calls": self.calls,
+                "streams_per_call": self.call_streams / self.calls if self.calls else None,
+                "frames_per_call": self.call_frames / self.calls if self.calls else None,
+                "first_chunk_queue_p50_ms": pct(self.first_queue_s, 50),
+                "first_chunk_queue_p99_ms": pct(self.first_queue_s, 99),
+                "codec_call_p50_ms": pct(self.call_s, 50), "codec_call_p99_ms": pct(self.call_s, 99)}
 
 
 @dataclass
@@ -383,6 +430,7 @@ class _Call:
     gens: list[int]
     pcm: torch.Tensor  # [B, samples] float32 on the host (pinned on CUDA: valid once event is done)
     event: object = None
+    launched: float = 0.0  # streamer clock at launch
 
 
 class AudioWorker:
