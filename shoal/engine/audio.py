@@ -403,7 +403,8 @@ class AudioStats:
 
     def summary(self) -> dict:
         def pct(xs, q):
-            return float(np.percentile(np.asarray(xs), q) * 1e3) if xs else None
+            xs = xs.copy()  # one C call: safe while the worker thread appends
+            return float(np.percentile(np.fromiter(xs, float, len(xs)), q) * 1e3) if xs else None
 
         return {"codec_calls": self.calls,
                 "streams_per_call": self.call_streams / self.calls if self.calls else None,

@@ -9,6 +9,10 @@ Engine side (read from the engine when scraped):
   shoal_frames_total (rate() = frames/s), shoal_kv_cache_usage_ratio,
   shoal_prefix_cache_hit_tokens_total, shoal_prefix_cache_queried_tokens_total,
   shoal_prefix_cache_hit_rate, shoal_ready.
+Codec (streaming audio; from the audio worker's counters, percentiles over its recent calls):
+  shoal_codec_calls_total, shoal_codec_frames_total (stream-frames decoded),
+  shoal_codec_first_chunk_queue_seconds{quantile} (a complete first chunk's wait for its call),
+  shoal_codec_call_seconds{quantile} (a call's launch to delivery).
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ class _EngineCollector:
         yield GaugeMetricFamily("shoal_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens",
                                 value=s["prefix_hit_rate"])
         yield GaugeMetricFamily("shoal_ready", "1 once warm-up is done", value=s["ready"])
+        if "codec_calls_total" in s:
+            yield CounterMetricFamily("shoal_codec_calls", "Streaming codec calls", value=s["codec_calls_total"])
+            yield CounterMetricFamily("shoal_codec_frames", "Stream-frames decoded by the streaming codec",
+                                      value=s["codec_frames_total"])
+            for name, key, doc in (
+                    ("shoal_codec_first_chunk_queue_seconds", "codec_first_chunk_queue",
+                     "A stream's complete first chunk waiting for its codec call (recent calls)"),
+                    ("shoal_codec_call_seconds", "codec_call", "A codec call from launch to delivery (recent calls)")):
+                g = GaugeMetricFamily(name, doc, labels=["quantile"])
+                g.add_metric(["0.5"], s[f"{key}_p50_s"])
+                g.add_metric(["0.99"], s[f"{key}_p99_s"])
+                yield g
 
 
 class Metrics:

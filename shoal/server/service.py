@@ -393,7 +393,21 @@ class TTSService:
             "prefix_hit_rate": float(pool.hit_rate),
             "max_running": float(eng.max_running),
             "ready": 1.0 if self.ready else 0.0,
+            **self._codec_snapshot(eng),
         }
+
+    @staticmethod
+    def _codec_snapshot(eng) -> dict[str, float]:
+        if eng.audio is None:
+            return {}
+        st = eng.audio.streamer.stats
+        summ = st.summary()
+        nan = float("nan")
+        return {"codec_calls_total": float(st.calls), "codec_frames_total": float(st.call_frames),
+                "codec_first_chunk_queue_p50_s": (summ["first_chunk_queue_p50_ms"] or nan) / 1e3,
+                "codec_first_chunk_queue_p99_s": (summ["first_chunk_queue_p99_ms"] or nan) / 1e3,
+                "codec_call_p50_s": (summ["codec_call_p50_ms"] or nan) / 1e3,
+                "codec_call_p99_s": (summ["codec_call_p99_ms"] or nan) / 1e3}
 
     def close(self) -> None:
         self.engine.shutdown()
