@@ -9,18 +9,19 @@ batched decode). Requests whose next chunk has the same size are decoded in one 
 Codec calls are scheduled earliest deadline first: a stream's deadline is the moment the audio
 it has received so far finishes playing (a stream with no audio yet is due now), so first
 chunks go ahead of the later chunks of streams that are still playing. A call decodes at most
-``max_call_streams`` streams, and the threaded worker re-reads its inbox after every call,
-so a first chunk waits behind at most one bounded call rather than behind every ready chunk.
+``max_call_streams`` streams. Calls are asynchronous: the threaded worker launches a call
+(its PCM copied to pinned memory behind a CUDA event), goes back to its inbox, and delivers the
+audio when the event completes, so a first chunk waits behind at most one bounded call rather
+than behind every ready chunk. A new stream's state row is reset when its first frames arrive.
 
 With ``first_lane`` (opt-in: it trades playback underruns for first-audio latency, see
 ``EngineConfig.audio_first_lane``), a starting stream's chunks (its first
 ``first_lane_chunks``, while it has little audio in hand) do not wait even for that: they have
 a lane of their own -- a second decoder (own CUDA graphs and static buffers) on a second CUDA
-stream of higher priority than the later chunks' -- and calls are asynchronous: the worker
-launches a call on each idle lane, and delivers each call's audio when its event completes.
+stream of higher priority than the later chunks' -- with at most one call in flight per lane.
 The two lanes share the per-stream state rows; a call waits (on the GPU) for the last call of
-another lane that touched one of its rows, and a row is reset on the stream of the first call
-that uses it, so a new stream's first chunk never queues behind a long call of later chunks.
+another lane that touched one of its rows, a row is reset on the first lane's stream, and the
+first lane's audio is delivered before a later call's (a stream's chunks stay in order).
 """
 
 from __future__ import annotations
