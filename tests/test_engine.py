@@ -403,6 +403,30 @@ def test_worker_round_keeps_audio_collected_with_a_failure(s2):
     assert ("audio", "good") in kinds and ("error", "bad") in kinds
 
 
+def test_first_lane_calls_take_riders_from_their_own_lane(s2):
+    """With two lanes and call filling, a first-lane call's spare rows take starting streams
+    that already play their first chunk (as one lane would: that kept playback gapless), and a
+    bulk call's take only streams past their start."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 6, ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                       max_call_streams=4, first_lane=True, fill_calls=True)
+    frames = np.zeros((10, 1), np.int64)
+    for rid in ("s", "old"):
+        st.push(rid, np.repeat(frames, 2, 1))
+    st.decode_ready()  # both play their first chunk
+    st.push("old", np.repeat(frames, 4, 1))
+    st.decode_ready()  # old's second chunk: old is past its start (2 chunks on the first lane)
+    st.push("s", np.repeat(frames, 3, 1))  # s: 3 of its 4-frame second chunk (first lane)
+    st.push("old", np.repeat(frames, 3, 1))  # old: 3 of its 8-frame third chunk (bulk lane)
+    st.push("new", np.repeat(frames, 2, 1))  # a new stream's complete first chunk
+    assert st.next_call(st.first) == (2, ["new", "s"])  # s rides; old (bulk lane's) does not
+    st.push("old", np.repeat(frames, 5, 1))  # old's 8-frame chunk complete
+    st.push("s", np.repeat(frames, 5, 1))  # s holds 8 frames: enough to ride, but it is starting
+    assert st.next_call(st.bulk) == (8, ["old"])  # no starting stream rides a bulk call
+
+
 def test_audio_stats_count_calls_and_first_chunk_waits(s2):
     """The streamer counts its calls and times a first chunk from complete to launched and a
     call from launch to delivery (here on a fake clock)."""

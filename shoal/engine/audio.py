@@ -244,10 +244,12 @@ class AudioStreamer:
             return None
         n = ready[0][3]
         rids = [rid for _, _, rid, need in ready if need == n]
-        first_call = self.first is not None and self._starting(rids[0])
-        if (self.fill_calls and not first_call
-                and (self.max_call_streams is None or len(rids) < self.max_call_streams)):
-            rids += [rid for _, _, rid in self._fillers(n, set(rids))]
+        if self.fill_calls and (self.max_call_streams is None or len(rids) < self.max_call_streams):
+            # with two lanes, riders come from the call's own lane (a stream's chunks stay in
+            # one lane while it starts): a starting stream that already plays its first chunk
+            # rides a first-lane call, as it rides any call with one lane
+            lane_first = self._starting(rids[0]) if self.first is not None else None
+            rids += [rid for _, _, rid in self._fillers(n, set(rids), lane_first)]
         return n, rids[: self.max_call_streams] if self.max_call_streams else rids
 
     def lane_of(self, rids: list[str]) -> "_Lane":
@@ -260,16 +262,17 @@ class AudioStreamer:
         """``rid``'s next chunk is one of its first ``first_lane_chunks`` (the first lane's)."""
         return self.chunks[rid] < self.first_lane_chunks
 
-    def _fillers(self, n: int, taken: set[str]) -> list[tuple[float, int, str]]:
+    def _fillers(self, n: int, taken: set[str], starting: bool | None = None) -> list[tuple[float, int, str]]:
         """(deadline, row, rid) of streams outside ``taken`` that already play audio and hold at
         least ``n`` pending frames: riders for a call of ``n`` frames (most urgent first). A
-        stream with no audio yet waits for its full first chunk."""
+        stream with no audio yet waits for its full first chunk. ``starting`` (two lanes): only
+        streams that are (True) or are not (False) starting, i.e. of the call's lane."""
         out = []
         for rid, frames in self.pending.items():
             if rid in taken or rid not in self.play_end:
                 continue
-            if self.first is not None and self._starting(rid):
-                continue  # the first lane's: its chunks stay in order there
+            if starting is not None and self._starting(rid) != starting:
+                continue  # the other lane's: a stream's chunks stay in order in its lane
             if sum(f.shape[1] for f in frames) >= n:
                 out.append((self.play_end[rid], self.rows[rid], rid))
         return sorted(out)
