@@ -80,23 +80,20 @@ class StreamState:
             layout.append((k, v.dtype, tuple(v.shape[1:]), sizes.get(v.dtype, 0)))
             sizes[v.dtype] = sizes.get(v.dtype, 0) + n
         dev = next(iter(tensors.values())).device if tensors else None
-        flat = {dt: torch.empty(B, n, dtype=dt, device=dev) for dt, n in sizes.items()}
-        views = {}
-        for (k, dt, shape, off), v in zip(layout, tensors.values()):
-            n = int(torch.Size(shape).numel())
-            views[k] = flat[dt][:, off:off + n].view(B, *shape)
-            views[k].copy_(v)
-        out = StreamState(views, bounds)
-        out.flat, out.layout = flat, tuple(layout)
+        out = StreamState._over(tuple(layout), {dt: torch.empty(B, n, dtype=dt, device=dev)
+                                                for dt, n in sizes.items()}, bounds)
+        for k, v in tensors.items():
+            out.tensors[k].copy_(v)
         return out
 
-    def _packed_like(self, flat: dict[torch.dtype, Tensor]) -> "StreamState":
-        """A packed state of this one's layout over the buffers ``flat``."""
+    @staticmethod
+    def _over(layout: tuple, flat: dict[torch.dtype, Tensor], bounds: dict[str, int] | None) -> "StreamState":
+        """The packed state of ``layout`` ((key, dtype, shape, offset) per tensor) over ``flat``."""
         B = next(iter(flat.values())).shape[0] if flat else 0
         views = {k: flat[dt][:, off:off + int(torch.Size(shape).numel())].view(B, *shape)
-                 for k, dt, shape, off in self.layout}
-        out = StreamState(views, self.bounds)
-        out.flat, out.layout = flat, self.layout
+                 for k, dt, shape, off in layout}
+        out = StreamState(views, bounds)
+        out.flat, out.layout = flat, layout
         return out
 
     def same_packing(self, other: "StreamState") -> bool:
@@ -125,7 +122,7 @@ class StreamState:
         if not isinstance(index, slice):
             index = _as_index(index, self)
         if self.flat is not None:
-            return self._packed_like({dt: f[index] for dt, f in self.flat.items()})
+            return StreamState._over(self.layout, {dt: f[index] for dt, f in self.flat.items()}, self.bounds)
         return StreamState({k: v[index] for k, v in self.tensors.items()}, self.bounds)
 
     def update_(self, index: Tensor | Sequence[int], other: "StreamState") -> "StreamState":

@@ -204,15 +204,18 @@ class GraphedStreamingDecoder(StreamingDecoder):
     def _views(self, bb: int) -> DecoderState:
         return DecoderState({k: v[:bb] for k, v in self.static_state.tensors.items()})
 
+    def _row_pairs(self, state: DecoderState, B: int) -> list[tuple[Tensor, Tensor]]:
+        """(state tensor, its first ``B`` static rows) pairs to gather / scatter: one pair per
+        dtype when both states are packed alike, else one per state tensor."""
+        if state.same_packing(self.static_state):
+            return [(v, self.static_state.flat[dt][:B]) for dt, v in state.flat.items()]
+        return [(v, self.static_state.tensors[k][:B]) for k, v in state.tensors.items()]
+
     def _load(self, codes_buf: Tensor, codes: Tensor, state: DecoderState, index: Tensor | None) -> None:
         B = codes.shape[0]
         codes_buf[:B].copy_(codes)
         codes_buf[B:].zero_()
-        if state.same_packing(self.static_state):  # one gather per dtype
-            pairs = [(v, self.static_state.flat[dt][:B]) for dt, v in state.flat.items()]
-        else:
-            pairs = [(v, self.static_state.tensors[k][:B]) for k, v in state.tensors.items()]
-        for v, dst in pairs:
+        for v, dst in self._row_pairs(state, B):
             if index is None:
                 dst.copy_(v)
             else:
@@ -221,11 +224,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self.static_state.tensors[self._pos_key][B: codes_buf.shape[0]].zero_()
 
     def _store(self, B: int, state: DecoderState, index: Tensor | None, t: int) -> None:
-        if state.same_packing(self.static_state):  # one scatter per dtype
-            pairs = [(v, self.static_state.flat[dt][:B]) for dt, v in state.flat.items()]
-        else:
-            pairs = [(v, self.static_state.tensors[k][:B]) for k, v in state.tensors.items()]
-        for v, src in pairs:
+        for v, src in self._row_pairs(state, B):
             if index is None:
                 v.copy_(src)
             else:

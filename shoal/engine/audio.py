@@ -27,8 +27,10 @@ first lane's audio is delivered before a later call's (a stream's chunks stay in
 from __future__ import annotations
 
 import contextlib
+import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -119,13 +121,26 @@ class AudioStreamer:
         any: every first chunk runs there), after the last call of another lane that used it.
         Done when the stream's first frames arrive, off its first chunk's critical path."""
         lane = self.first or self.bulk
-        cuda = self.device.type == "cuda"
-        ctx = torch.cuda.stream(lane.stream) if cuda and lane.stream is not None else contextlib.nullcontext()
-        with ctx:
-            last = self._row_event.pop(row, None)
-            if cuda and last is not None and last[0] is not lane:
-                torch.cuda.current_stream(self.device).wait_event(last[1])
+        with self._on(lane):
+            self._wait_other_lanes(lane, [row])
+            self._row_event.pop(row, None)
             self.state.reset_([row])
+
+    def _on(self, lane: "_Lane"):
+        """Context: ``lane``'s CUDA stream current (a no-op off CUDA or without one)."""
+        if self.device.type == "cuda" and lane.stream is not None:
+            return torch.cuda.stream(lane.stream)
+        return contextlib.nullcontext()
+
+    def _wait_other_lanes(self, lane: "_Lane", rows: list[int]) -> None:
+        """Make the current stream wait for the last call of another lane that touched ``rows``."""
+        if self.device.type != "cuda":
+            return
+        events = {id(ev): ev for lane_ev, ev in (self._row_event.get(r, (None, None)) for r in rows)
+                  if ev is not None and lane_ev is not lane}
+        stream = torch.cuda.current_stream(self.device)
+        for ev in events.values():
+            stream.wait_event(ev)
 
     def warmup(self) -> None:
         """Capture the codec's CUDA graphs (every batch bucket x chunk size) before traffic."""
@@ -158,16 +173,8 @@ class AudioStreamer:
             rest = buf[:, n:]
             self.pending[r] = [rest] if rest.shape[1] else []
         cuda = self.device.type == "cuda"
-        ctx = torch.cuda.stream(lane.stream) if cuda and lane.stream is not None else contextlib.nullcontext()
-        with ctx, torch.inference_mode():
-            stream = torch.cuda.current_stream(self.device) if cuda else None
-            if stream is not None:
-                waited = set()
-                for row in rows:  # the last call of another lane that touched these rows
-                    last = self._row_event.get(row)
-                    if last is not None and last[0] is not lane and id(last[1]) not in waited:
-                        stream.wait_event(last[1])
-                        waited.add(id(last[1]))
+        with self._on(lane), torch.inference_mode():
+            self._wait_other_lanes(lane, rows)
             event = None
             try:
                 batch = torch.as_tensor(np.stack(codes), dtype=torch.long).to(self.device, non_blocking=cuda)
@@ -181,7 +188,7 @@ class AudioStreamer:
             finally:
                 if cuda:  # also after a failure: whatever was queued on these rows is ordered
                     event = torch.cuda.Event()
-                    event.record(stream)
+                    event.record()
                     for row in rows:
                         self._row_event[row] = (lane, event)
         now = self.clock()
@@ -198,12 +205,12 @@ class AudioStreamer:
 
     def _complete(self, call: "_Call") -> list[tuple[str, np.ndarray]]:
         """Deliver a finished call: ``(rid, pcm)`` of its streams that still hold their row."""
-        self.stats.call_s.append(self.clock() - call.launched)
+        now = self.clock()
+        self.stats.call_s.append(now - call.launched)
         pcm = call.pcm.numpy()
         if call.event is not None:
             pcm = pcm.copy()  # the consumer keeps pageable memory, the pinned block goes back
         out = []
-        now = self.clock()
         for i, (rid, gen) in enumerate(zip(call.rids, call.gens)):
             if self._gen.get(rid) != gen:
                 continue  # released (cancelled or failed) after the launch: not this stream's
@@ -338,12 +345,11 @@ class AudioStreamer:
         failed: list[tuple[str, str]] = []
         calls = 0
         while max_calls is None or calls < max_calls:
-            call = self.next_call()
-            if call is None:
+            ready = self._ready()
+            if not ready:
                 break
             calls += 1
-            lane = self.lane_of(call[1])
-            self.launch(lane)
+            self.launch(self.lane_of([min(ready)[2]]))  # the lane of the most urgent stream
             audio, bad = self.collect(wait=True)
             out += audio
             failed += bad
@@ -393,17 +399,11 @@ class AudioStats:
     calls: int = 0
     call_streams: int = 0
     call_frames: int = 0
-    first_queue_s: object = None
-    call_s: object = None
-
-    def __post_init__(self) -> None:
-        self.reset()
+    first_queue_s: deque = field(default_factory=lambda: deque(maxlen=100_000))
+    call_s: deque = field(default_factory=lambda: deque(maxlen=100_000))
 
     def reset(self) -> None:
-        from collections import deque
-
-        self.calls = self.call_streams = self.call_frames = 0
-        self.first_queue_s, self.call_s = deque(maxlen=100_000), deque(maxlen=100_000)
+        self.__init__()
 
     def summary(self) -> dict:
         def pct(xs, q):
@@ -471,8 +471,6 @@ class AudioWorker:
             if streamer.first is not None:
                 # first chunks: a stream of higher priority than the later chunks' (graph
                 # kernels take the priority of the stream they were captured on)
-                import os
-
                 prio = int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_PRIORITY", "-1"))
                 streamer.first.stream = self._stream(streamer.device, sms, priority=prio)
                 if hasattr(streamer.first.decoder, "capture_stream"):
@@ -576,7 +574,6 @@ class AudioWorker:
             self._deliver(*s.collect())
 
     def _loop(self) -> None:
-        import contextlib
         import queue
 
         ctx = torch.cuda.stream(self._cuda_stream) if self._cuda_stream is not None else contextlib.nullcontext()

@@ -71,6 +71,12 @@ class EngineConfig:
     prefill_graphs: bool | None = None
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off environment switch: unset or empty gives ``default``; 0/false/no/off are off."""
+    value = os.environ.get(name, "").strip().lower()
+    return default if not value else value not in ("0", "false", "no", "off")
+
+
 def _fused_sampling(cfg: EngineConfig, model: DualAR) -> bool:
     """The fused S2 sampling kernels: S2 models on CUDA unless configured or SHOAL_FUSED_SAMPLING=0."""
     from ..kernels.sampling import HAS_TRITON
@@ -106,11 +112,10 @@ class Engine:
                         else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
             fill = cfg.audio_fill_calls
             if fill is None:
-                fill = os.environ.get("SHOAL_AUDIO_FILL", "1").strip().lower() not in ("0", "false", "no", "off")
+                fill = _env_flag("SHOAL_AUDIO_FILL", True)
             first_lane = cfg.audio_first_lane
             if first_lane is None:
-                first_lane = threaded and on_cuda and os.environ.get("SHOAL_AUDIO_FIRST_LANE", "0").strip().lower() \
-                    not in ("0", "false", "no", "off", "")
+                first_lane = threaded and on_cuda and _env_flag("SHOAL_AUDIO_FIRST_LANE", False)
             lane_chunks = cfg.audio_first_lane_chunks or int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_CHUNKS", "2"))
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
                                      fill_calls=fill, first_lane=first_lane, first_lane_chunks=lane_chunks)
