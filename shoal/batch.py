@@ -473,7 +473,8 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
               device: str | None = "auto", dtype: str | None = "auto", max_running: int | None = None,
               max_new_tokens: int = 1024, chunk_length: int | None = None, audio: bool = True,
               progress: bool = True, log: Callable[[str], None] | None = None,
-              quantization: str | None = None, codec_dtype: str | None = "auto") -> BatchSummary:
+              quantization: str | None = None, codec_dtype: str | None = "auto",
+              kv_cache_dtype: str | None = None) -> BatchSummary:
     """Run a JSONL batch job; see the module docstring and docs/batch.md."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     requests = Path(requests)
@@ -502,7 +503,7 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
         _generate(requests, pending, npy_codes, out, checkpoint, summary, device=device, dtype=dtype,
                   max_running=max_running, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
                   audio=audio, progress=progress, say=say, quantization=quantization,
-                  codec_dtype=codec_dtype)
+                  codec_dtype=codec_dtype, kv_cache_dtype=kv_cache_dtype)
     return summary
 
 
@@ -528,7 +529,8 @@ def _reconcile_manifest(path: Path, lines: list[RequestLine], pending: list[Requ
 
 def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, np.ndarray], out: Path,
               checkpoint, summary: BatchSummary, *, device, dtype, max_running, max_new_tokens,
-              chunk_length, audio, progress, say, quantization=None, codec_dtype=None) -> None:
+              chunk_length, audio, progress, say, quantization=None, codec_dtype=None,
+              kv_cache_dtype=None) -> None:
     from tqdm import tqdm
 
     from .checkpoint import codec_path, load_dualar, resolve_codec_dtypes, resolve_device, resolve_dtype
@@ -568,7 +570,7 @@ def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, 
             bad_audio[p] = f"cannot encode reference audio {p}: {e}"
 
     engine = Engine(model, tokenizer.im_end_id, codec=None,
-                    config=EngineConfig(max_running=max_running))
+                    config=EngineConfig(max_running=max_running, kv_cache_dtype=kv_cache_dtype))
 
     def session(ln: RequestLine):
         refs = [Reference(r.text, ref_codes[r.path]) for r in ln.references]
@@ -665,7 +667,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                             dtype=args.dtype, max_running=args.max_running,
                             max_new_tokens=args.max_new_tokens, chunk_length=args.chunk_length,
                             audio=not args.no_audio, quantization=args.quantization,
-                            codec_dtype=args.codec_dtype)
+                            codec_dtype=args.codec_dtype, kv_cache_dtype=args.kv_cache_dtype)
     except KeyboardInterrupt:  # before generation started (loading, encoding references)
         print("\nshoal batch: interrupted before generation started; no outputs were written",
               file=sys.stderr)
@@ -699,6 +701,9 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="model precision (auto: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: quantize a bf16 checkpoint to block-scaled FP8 at load")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                   help="slow KV cache storage: auto (the model's dtype) or fp8 (docs/quantization.md); "
+                        "default: env SHOAL_KV_CACHE_DTYPE, else auto")
     add_codec_dtype_arg(p)
     p.add_argument("--max-running", type=int, default=None, metavar="N",
                    help="requests decoded together (default: 128 on CUDA, 16 on CPU)")

@@ -160,6 +160,27 @@ def test_quantized_checkpoint_layout(bf16_ckpt, fp8_ckpt):
     assert n_q == 4 * 5  # 2 slow + 2 fast layers x (wqkv, wo, w1, w3, w2)
 
 
+def test_gate_with_fp8_kv_cache(bf16_ckpt, fp8_ckpt, capsys):
+    """The gate decodes the checked side with the FP8 KV cache (shoal.quant.kv): with FP8 weights
+    and with bf16 weights (KV only) the tokens still match bf16; the KV quantization shows in the
+    per-layer errors, and the CLI takes --kv-cache-dtype alone."""
+    from shoal.cli import main as shoal_main
+    from shoal.quant.gate import correctness_gate
+
+    weights = correctness_gate(str(bf16_ckpt), str(fp8_ckpt), frames=5)
+    both = correctness_gate(str(bf16_ckpt), str(fp8_ckpt), frames=5, kv_cache_dtype="fp8")
+    kv_only = correctness_gate(str(bf16_ckpt), frames=5, kv_cache_dtype="fp8", quantize_weights=False)
+    for r in (weights, both, kv_only):
+        assert r.passed, r.report()
+    assert "FP8 KV cache" in both.report() and "FP8 KV cache" not in weights.report()
+    assert kv_only.weights == "bf16" and "bf16 weights, FP8 KV cache" in kv_only.report()
+    kv_err = kv_only.prompts[0].layer_errors
+    assert kv_err["layers.0"] > 1e-3  # the cache is really quantized (bf16 weights otherwise)
+    assert both.prompts[0].layer_errors != weights.prompts[0].layer_errors
+    assert shoal_main(["gate", "correctness", "--checkpoint", str(bf16_ckpt), "--kv-cache-dtype", "fp8"]) == 0
+    assert "gate: PASS" in capsys.readouterr().out
+
+
 def test_fp8_checkpoint_passes_gate(bf16_ckpt, fp8_ckpt, ref_model):
     ref, tok = ref_model
     fp8, _ = load_fp8_dualar(fp8_ckpt, dtype=torch.bfloat16)

@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none",
                    help="fp8: block-scaled FP8 weights + Triton FP8 GEMMs (shoal.quant)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="slow KV cache storage (EngineConfig.kv_cache_dtype; default: env "
+                        "SHOAL_KV_CACHE_DTYPE, else auto = the model's dtype)")
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     out = Path(args.out)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     engine = Engine(model, S2_IM_END, codec=codec, config=EngineConfig(
         max_running=args.max_running, num_blocks=None if dev.type == "cuda" else 2048, cuda_graphs=not args.no_graphs, max_seq_len=4096,
-        prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms,
+        prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms, kv_cache_dtype=args.kv_cache_dtype,
         audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
     t = time.perf_counter()
     engine.warmup()
@@ -207,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__, "commit": git_commit(),
             "model": f"{args.shape} shapes, random {args.dtype} weights"
                      + (" (FP8 block-scaled)" if args.quantization == "fp8" else ""),
+            "kv_cache_dtype": "fp8" if engine.kv_cache_dtype is not None else args.dtype,
+            "kv_cache_gib": round(engine.runner.kv.nbytes / 2**30, 2),
+            "kv_blocks": engine.pool.num_blocks,
             "args": vars(args),
             "audio_sms": engine.audio.sms if engine.audio is not None else None}
     results = []

@@ -13,7 +13,10 @@ For every (block_size, batch, context) cell it
    * ``sdpa_dense_gqa``: SDPA on an equivalent contiguous ``[B, H_kv, L, D]`` cache
      (``enable_gqa=True``; no paging, no mask: a lower bound for PyTorch),
    * ``sdpa_dense_mha``: SDPA on a contiguous ``[B, H, L, D]`` cache (K/V expanded to all
-     query heads, 4x the bytes at S2-Pro's GQA ratio).
+     query heads, 4x the bytes at S2-Pro's GQA ratio),
+   * ``triton_fp8kv``: the kernel on an FP8 KV cache (:mod:`shoal.quant.kv`: e4m3 values, one
+     fp32 scale per token and KV head), checked against the reference on the same cache; its
+     "GB/s" counts the bytes it reads (e4m3 + scales, ~52% of bf16).
 
 Each graph holds ``n_layers`` calls, each on a different slice of the cache (like the 36
 layers of a decode step), so that the K/V working set exceeds the H200's 60 MB L2 and
@@ -183,6 +186,36 @@ def run_cell(B, ctx, bs, iters, device, methods, repeat_triton=False):
 
     if repeat_triton and "triton" in methods:
         bench("triton_repeat", f_triton)  # run-to-run spread of the kernel's timing
+
+    if "triton_fp8kv" in methods:
+        from shoal.quant.kv import quantize_kv
+
+        k8, ks = quantize_kv(k)
+        v8, vs = quantize_kv(v)
+        del k, v
+        torch.cuda.empty_cache()
+        try:
+            lens = torch.randint(1, ctx + 1, (B,), generator=torch.Generator().manual_seed(B + ctx)).to(
+                device=device, dtype=torch.int32)
+            o = pa.paged_decode_attention(q, k8, v8, tables[0], lens, scale, k_scale=ks, v_scale=vs)
+            r = pa.paged_decode_attention_ref(q, k8, v8, tables[0], lens, scale, k_scale=ks, v_scale=vs)
+            excess = ((o.float() - r.float()).abs() - 2e-2 * r.float().abs()).max().item()
+            res["fp8kv_check_ok"] = excess <= 2e-2
+            res["check_ok"] = res.get("check_ok", True) and res["fp8kv_check_ok"]
+            del o, r
+        except Exception as e:  # noqa: BLE001
+            res["fp8kv_check_error"] = f"{type(e).__name__}: {e}"
+            res["check_ok"] = False
+        fp8_bytes = 2 * B * ctx * H_KV * (D + 4)
+
+        def f_fp8():
+            for i in range(n_layers):
+                pa.paged_decode_attention(q, k8, v8, tables[i], cl, scale, out=outs[i], k_scale=ks, v_scale=vs)
+
+        bench("triton_fp8kv", f_fp8)
+        if "us" in timings.get("triton_fp8kv", {}):
+            timings["triton_fp8kv"]["GBps"] = round(fp8_bytes / (timings["triton_fp8kv"]["us"] * 1e-6) / 1e9, 1)
+        k, v = k8, v8  # freed below
 
     del k, v
     torch.cuda.empty_cache()

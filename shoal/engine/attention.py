@@ -17,19 +17,40 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.fused import write_kv
 from ..kernels.paged_attention import paged_decode_attention
 from ..kernels.prefill_attention import paged_prefill_attention
+from ..quant.kv import FP8_KV_DTYPE, parse_kv_cache_dtype
 
 
 class PagedKVCache:
-    """K/V storage for every slow layer: [layers, 2, num_blocks, block_size, H_kv, D]."""
+    """K/V storage for every slow layer: [layers, 2, num_blocks, block_size, H_kv, D].
+
+    ``kv_dtype=torch.float8_e4m3fn`` (or ``"fp8"``): an FP8 KV cache (:mod:`shoal.quant.kv`),
+    e4m3 values plus ``scales`` [layers, 2, num_blocks, block_size, H_kv] fp32, one per
+    (token, KV head); about half the bytes per token, which the decode attention reads."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 kv_dtype: torch.dtype | str | None = None) -> None:
+        kv_dtype = parse_kv_cache_dtype(kv_dtype)
+        self.fp8 = kv_dtype == FP8_KV_DTYPE
         self.data = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
-                                dtype=dtype, device=device)
+                                dtype=kv_dtype or dtype, device=device)
+        self.scales = (torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads,
+                                   dtype=torch.float32, device=device) if self.fp8 else None)
         self.block_size = block_size
         self.num_blocks = num_blocks
+
+    @staticmethod
+    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, kv_dtype: torch.dtype | str | None = None) -> int:
+        """Device bytes of one block over all layers (K and V, plus an FP8 cache's scales)."""
+        kv_dtype = parse_kv_cache_dtype(kv_dtype)
+        per_token = n_kv_heads * head_dim * (kv_dtype or dtype).itemsize
+        if kv_dtype == FP8_KV_DTYPE:
+            per_token += n_kv_heads * 4
+        return 2 * n_layers * block_size * per_token
 
     def k(self, layer: int) -> Tensor:
         return self.data[layer, 0]
@@ -37,16 +58,20 @@ class PagedKVCache:
     def v(self, layer: int) -> Tensor:
         return self.data[layer, 1]
 
+    def k_scale(self, layer: int) -> Tensor | None:
+        return None if self.scales is None else self.scales[layer, 0]
+
+    def v_scale(self, layer: int) -> Tensor | None:
+        return None if self.scales is None else self.scales[layer, 1]
+
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """k/v [N, H_kv, D] into flat slots [N] (block * block_size + offset)."""
-        kf = self.data[layer, 0].view(-1, *k.shape[1:])
-        vf = self.data[layer, 1].view(-1, *v.shape[1:])
-        kf.index_copy_(0, slots, k)
-        vf.index_copy_(0, slots, v)
+        write_kv(self.k(layer), self.v(layer), slots, k, v, self.k_scale(layer), self.v_scale(layer))
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        n = self.data.numel() * self.data.element_size()
+        return n + (0 if self.scales is None else self.scales.numel() * 4)
 
 
 class PagedDecodeBackend:
@@ -68,9 +93,14 @@ class PagedDecodeBackend:
     def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         return self.cache.k(layer), self.cache.v(layer), self.slots
 
+    def kv_scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        """An FP8 cache's (k_scale, v_scale) of ``layer`` for the fused write; (None, None) else."""
+        return self.cache.k_scale(layer), self.cache.v_scale(layer)
+
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = paged_decode_attention(q[:, 0], self.cache.k(layer), self.cache.v(layer),
-                                     self.block_tables, self.context_lens, self.scale)
+                                     self.block_tables, self.context_lens, self.scale,
+                                     k_scale=self.cache.k_scale(layer), v_scale=self.cache.v_scale(layer))
         return out[:, None]
 
 
@@ -111,6 +141,9 @@ class PagedPrefillBackend:
     def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         return self.cache.k(layer), self.cache.v(layer), self.slots
 
+    def kv_scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        return self.cache.k_scale(layer), self.cache.v_scale(layer)
+
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.slots, k[0], v[0])
         return self.attend_only(layer, q)
@@ -119,7 +152,8 @@ class PagedPrefillBackend:
         out = paged_prefill_attention(q[0], self.cache.k(layer), self.cache.v(layer), self.block_tables,
                                       self.cu_seqlens, self.start_pos, self.scale,
                                       block_table_rows=self.block_table_rows, max_context=self.max_context,
-                                      max_query=self.max_query)
+                                      max_query=self.max_query, k_scale=self.cache.k_scale(layer),
+                                      v_scale=self.cache.v_scale(layer))
         return out[None]
 
 
@@ -130,13 +164,15 @@ class SegmentedPrefillBackend(PagedPrefillBackend):
     plus itself (SDPA with a mask) -- so a step launches several kernels per segment and layer."""
 
     def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int) -> None:
-        self.cache = cache
+        self.cache = cache  # comparisons only: reads the cache as stored (no FP8 KV dequant)
         self.gqa = n_heads != n_kv_heads
         self.slots: Tensor | None = None
         self.segments: list[tuple[int, int, Tensor, int, Tensor | None]] = []
 
     def set(self, slots: Tensor, segments: list[tuple[int, int, Tensor, int, int]]) -> None:
         """``segments``: (offset in N, length, block ids, start position, end position)."""
+        if self.cache.fp8:
+            raise ValueError("the segmented prefill backend does not read an FP8 KV cache")
         self.slots = slots
         self.segments = []
         for off, n, blocks, start, end in segments:

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from ..model.dualar import DualAR
+from ..quant.kv import parse_kv_cache_dtype
+from .attention import PagedKVCache
 from .audio import AudioStreamer, AudioWorker, ChunkSchedule
 from .kv_cache import BlockPool
 from .request import AudioEvent, EngineRequest, Event, FinishEvent, FramesEvent, Status
@@ -69,6 +71,10 @@ class EngineConfig:
     # prefill steps replay CUDA graphs captured per token bucket (64 ... min(prefill_chunk,
     # 2048)); default on with cuda_graphs on CUDA; env SHOAL_PREFILL_GRAPHS=0 turns it off
     prefill_graphs: bool | None = None
+    # slow KV cache storage: "auto" (the model's dtype) or "fp8" (e4m3 with one fp32 scale per
+    # token and KV head, shoal.quant.kv: half the bytes the decode attention reads, twice the
+    # tokens per GiB); default: env SHOAL_KV_CACHE_DTYPE, else "auto"
+    kv_cache_dtype: str | None = None
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -128,13 +134,15 @@ class Engine:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
                 streamer.warmup()
+        self.kv_cache_dtype = parse_kv_cache_dtype(
+            cfg.kv_cache_dtype if cfg.kv_cache_dtype is not None else os.environ.get("SHOAL_KV_CACHE_DTYPE", "auto"))
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
             max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda,
             fused_sampling=_fused_sampling(cfg, model), prefill_graphs=self.prefill_graphs,
-            prefill_buckets=self.prefill_buckets))
+            prefill_buckets=self.prefill_buckets, kv_cache_dtype=self.kv_cache_dtype))
         if on_cuda:  # kernels that fail to compile or disagree on this GPU are not used
             self.runner.verify_fused_sampling()
         self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
@@ -152,7 +160,8 @@ class Engine:
     def _auto_blocks(self, max_running: int, max_blocks_per_seq: int) -> int:
         cfg = self.config
         s = self.model.config.slow
-        per_block = 2 * s.n_layer * cfg.block_size * s.n_local_heads * s.head_dim * self.model.dtype.itemsize
+        per_block = PagedKVCache.bytes_per_block(s.n_layer, cfg.block_size, s.n_local_heads, s.head_dim,
+                                                 self.model.dtype, self.kv_cache_dtype)
         if self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
             reserve = 6 << 30  # activations, LLM graphs, codec eager fallbacks

@@ -122,6 +122,9 @@ class RunnerConfig:
     prefill_graphs: bool = False
     prefill_buckets: list[int] | None = None  # default: default_prefill_buckets(1024)
     prefill_max_segments: int | None = None  # default: max_slots (every step fits)
+    # slow KV cache storage: None = the model's dtype; "fp8" / torch.float8_e4m3fn = e4m3 values
+    # with one fp32 scale per (token, KV head) (shoal.quant.kv)
+    kv_cache_dtype: torch.dtype | str | None = None
 
 
 class ModelRunner:
@@ -141,7 +144,7 @@ class ModelRunner:
         # one extra block and one extra slot are scratch space for padding rows
         self.scratch_block = cfg.num_blocks
         self.kv = PagedKVCache(s.n_layer, cfg.num_blocks + 1, cfg.block_size, s.n_local_heads,
-                               s.head_dim, dt, dev)
+                               s.head_dim, dt, dev, kv_dtype=cfg.kv_cache_dtype)
         S = cfg.max_slots + 1
         self.scratch_slot = cfg.max_slots
         self.last_col = torch.zeros(S, self.C + 1, dtype=torch.long, device=dev)

@@ -100,6 +100,7 @@ __all__ = [
     "silu_mul_ref",
     "silu_mul_triton",
     "use_triton",
+    "write_kv",
 ]
 
 _DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -181,13 +182,34 @@ def _flat_cache(cache: Tensor, n_kv_head: int, head_dim: int) -> Tensor:
     return cache.view(-1, n_kv_head, head_dim)  # a view: writes land in the cache
 
 
+def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor,
+             k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
+    """k / v ``[N, H_kv, D]`` into the caches (``[..., H_kv, D]``, flattened) at flat ``slots``
+    ``[N]`` (``index_copy_``); an FP8 cache (``k_scale`` / ``v_scale`` ``[..., H_kv]``) gets
+    the e4m3 values and per-head scales of :func:`shoal.quant.kv.quantize_kv`."""
+    H_kv, D = k.shape[-2], k.shape[-1]
+    kc, vc = _flat_cache(k_cache, H_kv, D), _flat_cache(v_cache, H_kv, D)
+    if k_scale is None:
+        kc.index_copy_(0, slots, k.to(kc.dtype))
+        vc.index_copy_(0, slots, v.to(vc.dtype))
+        return
+    from ..quant.kv import quantize_kv
+
+    for cache, sc, x in ((kc, k_scale, k), (vc, v_scale, v)):
+        xq, xs = quantize_kv(x)
+        # as bytes: index_copy_ has no float8 kernel on every device
+        cache.view(torch.uint8).index_copy_(0, slots, xq.view(torch.uint8))
+        sc.view(-1, H_kv).index_copy_(0, slots, xs)
+
+
 def qk_norm_rope_write_ref(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
-                           n_head, n_kv_head, head_dim):
+                           n_head, n_kv_head, head_dim, k_scale=None, v_scale=None):
     """Attention.forward up to ``attend`` plus PagedKVCache.write; returns q [N, H, D].
 
     qk-norm is ``F.rms_norm`` (what ``nn.RMSNorm`` calls), RoPE is layers.apply_rope with
     ``cos_sin[positions]``, the cache write is ``index_copy_`` into the flattened cache
-    (slots must be valid, >= 0).
+    (slots must be valid, >= 0). ``k_scale`` / ``v_scale``: an FP8 cache's scales (the cache
+    holds e4m3 values, see :func:`write_kv`).
     """
     q, k, v = _split_qkv(qkv, n_head, n_kv_head, head_dim)
     if (q_norm_w is None) != (k_norm_w is None):
@@ -198,9 +220,7 @@ def qk_norm_rope_write_ref(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_c
     cs = cos_sin[positions.reshape(-1)]
     q = _apply_rope_ref(q, cs)
     k = _apply_rope_ref(k, cs)
-    s = slots.reshape(-1)
-    _flat_cache(k_cache, n_kv_head, head_dim).index_copy_(0, s, k)
-    _flat_cache(v_cache, n_kv_head, head_dim).index_copy_(0, s, v)
+    write_kv(k_cache, v_cache, slots.reshape(-1), k, v, k_scale, v_scale)
     return q
 
 
@@ -299,10 +319,22 @@ if HAS_TRITON:
             tl.store(q_ptr + row * stride_q + k2, y, mask=k2 < n_cols)
             tl.store(s_ptr + row * n_groups + g, scale, mask=g < n_groups)
 
+    @triton.jit
+    def _e4m3_scale(amax):
+        """Per-vector quantization factor and stored dequant scale of shoal.quant.kv (the
+        1x128 activation rule): amax floored at 1e-10, qs = 448 / amax, scale = 1 / qs."""
+        amax = tl.maximum(amax, 1e-10)
+        qs = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+        return qs, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), qs)
+
+    @triton.jit
+    def _e4m3(v, qs):
+        return _round_e4m3(tl.minimum(tl.maximum(v * qs, -448.0), 448.0)).to(tl.float8e4nv)
+
     def _qk_norm_rope_write_kernel(
-        qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr,
+        qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
         stride_qkv, stride_qkv_s, stride_cs_p, stride_cs_i, stride_cs_c,
-        stride_q_t, stride_q_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+        stride_q_t, stride_q_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_sc_s,
         inv_d, eps,
         N_HEAD: tl.constexpr,
         N_KV: tl.constexpr,
@@ -312,9 +344,11 @@ if HAS_TRITON:
         MEAN_DIV: tl.constexpr,
         DT: tl.constexpr,
         SPLIT: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         # program (t, j): token t; j < N_HEAD -> query head j, else KV head j - N_HEAD
-        # (K normed + roped, V copied). Head j's columns in qkv start at j * HEAD_DIM for
+        # (K normed + roped, V copied). KV_FP8: K and V are stored as e4m3 with one fp32
+        # scale per (token, KV head) at ks_ptr / vs_ptr (shoal.quant.kv). Head j's columns in qkv start at j * HEAD_DIM for
         # both q and k heads. SPLIT > 1: qkv is the wqkv FP8 GEMM's fp32 split-K partials
         # (stride_qkv_s apart), summed and rounded to bf16 on load (_load_gemm_out).
         t = tl.program_id(0).to(tl.int64)
@@ -360,16 +394,30 @@ if HAS_TRITON:
         kvh = j - N_HEAD
         wmask = is_k & ((i * 0 + slot) >= 0)  # negative slot: padding row, nothing written
         kdst = kc_ptr + slot * stride_kc_s + kvh * stride_kc_h + 2 * i
-        tl.store(kdst, oa.to(kc_ptr.dtype.element_ty), mask=wmask)
-        tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=wmask)
+        if KV_FP8:
+            kqs, ksc = _e4m3_scale(tl.zeros([HALF], tl.float32)
+                                   + tl.maximum(tl.max(tl.abs(oa), 0), tl.max(tl.abs(ob), 0)))
+            tl.store(kdst, _e4m3(oa, kqs), mask=wmask)
+            tl.store(kdst + 1, _e4m3(ob, kqs), mask=wmask)
+            tl.store(ks_ptr + slot * stride_sc_s + kvh + i * 0, ksc, mask=wmask & (i == 0))
+        else:
+            tl.store(kdst, oa.to(kc_ptr.dtype.element_ty), mask=wmask)
+            tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=wmask)
         d = tl.arange(0, HEAD_DIM)
         dmask = ((d * 0 + j) >= N_HEAD) & ((d * 0 + slot) >= 0)
         vsrc = qkv_ptr + t * stride_qkv + (j + N_KV) * HEAD_DIM + d
-        if SPLIT == 1:
-            v = tl.load(vsrc, mask=dmask, other=0.0)
+        vdst = vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d
+        if KV_FP8:
+            vf = _load_gemm_out(vsrc, dmask, stride_qkv_s, SPLIT)  # fp32 (the model-dtype value)
+            vqs, vsc = _e4m3_scale(tl.zeros([HEAD_DIM], tl.float32) + tl.max(tl.abs(vf), 0))
+            tl.store(vdst, _e4m3(vf, vqs), mask=dmask)
+            tl.store(vs_ptr + slot * stride_sc_s + kvh + d * 0, vsc, mask=dmask & (d == 0))
         else:
-            v = _load_gemm_out(vsrc, dmask, stride_qkv_s, SPLIT).to(vc_ptr.dtype.element_ty)
-        tl.store(vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d, v, mask=dmask)
+            if SPLIT == 1:
+                v = tl.load(vsrc, mask=dmask, other=0.0)
+            else:
+                v = _load_gemm_out(vsrc, dmask, stride_qkv_s, SPLIT).to(vc_ptr.dtype.element_ty)
+            tl.store(vdst, v, mask=dmask)
 
     def _silu_mul_kernel(
         gu_ptr, out_ptr, stride_gu, stride_o, n_inter,
@@ -431,6 +479,7 @@ if HAS_TRITON:
     from .fp8 import (  # device helpers the kernels call by name
         _load_gemm_out,
         _quant_tile,
+        _round_e4m3,
     )
 
     if triton_interpreting():
@@ -655,7 +704,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 
 
 def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
-                              n_head, n_kv_head, head_dim, *, q_out=None):
+                              n_head, n_kv_head, head_dim, *, q_out=None, k_scale=None, v_scale=None):
     """Kernel version of :func:`qk_norm_rope_write_ref` (one launch). Negative slots are
     skipped (nothing written for that token). ``q_out``: optional [N, H, D] output.
     ``qkv`` may be the wqkv FP8 GEMM's :class:`~shoal.kernels.fp8.SplitKPartials` (summed on
@@ -688,7 +737,15 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         raise ValueError(f"cos_sin must be [L, {D // 2}, 2], got {tuple(cos_sin.shape)}")
     kc = _flat_cache(k_cache, n_kv_head, D)
     vc = _flat_cache(v_cache, n_kv_head, D)
-    if kc.dtype != dtype or vc.dtype != dtype:
+    kv_fp8 = k_scale is not None or v_scale is not None
+    if kv_fp8:
+        if kc.dtype != torch.float8_e4m3fn or vc.dtype != torch.float8_e4m3fn or k_scale is None or v_scale is None:
+            raise ValueError("an FP8 KV write needs float8_e4m3fn caches and both k_scale and v_scale")
+        ks, vs = k_scale.reshape(-1, n_kv_head), v_scale.reshape(-1, n_kv_head)
+        if (ks.shape[0] != kc.shape[0] or vs.shape != ks.shape or ks.dtype != torch.float32
+                or vs.dtype != torch.float32 or ks.stride() != (n_kv_head, 1) or vs.stride() != ks.stride()):
+            raise ValueError(f"k_scale / v_scale must be contiguous float32 [slots={kc.shape[0]}, {n_kv_head}]")
+    elif kc.dtype != dtype or vc.dtype != dtype:
         raise ValueError(f"cache dtype {kc.dtype} / {vc.dtype} != qkv dtype {dtype}")
     if kc.stride(-1) != 1 or vc.stride(-1) != 1:
         raise ValueError("caches must be contiguous in head_dim")
@@ -707,9 +764,10 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
     else:
         qw = kw = qkv2
     _kernel("_qk_norm_rope_write_kernel")[(N, n_head + n_kv_head)](
-        qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc,
+        qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc, ks if kv_fp8 else kc, vs if kv_fp8 else vc,
         stride_row, stride_split, cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
         q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        n_kv_head if kv_fp8 else 0,
         1.0 / D, float(eps),
         N_HEAD=n_head,
         N_KV=n_kv_head,
@@ -719,13 +777,14 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         MEAN_DIV=not qkv2.is_cuda,
         DT=_DT_CODE[dtype],
         SPLIT=split,
+        KV_FP8=kv_fp8,
         **_launch_opts(1 if D <= 128 else 2),
     )
     return q_out
 
 
 def qk_norm_rope_write(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
-                       n_head, n_kv_head, head_dim, *, q_out=None):
+                       n_head, n_kv_head, head_dim, *, q_out=None, k_scale=None, v_scale=None):
     """qk-norm (optional) + RoPE of q and k from the ``wqkv`` output, K/V written to
     ``k_cache`` / ``v_cache`` (``[..., H_kv, D]``, flattened to slots) at ``slots``;
     returns q ``[N, H, D]``.
@@ -734,15 +793,18 @@ def qk_norm_rope_write(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache
     :class:`~shoal.kernels.fp8.SplitKPartials`; ``positions`` / ``slots``: ``[N]`` int;
     ``cos_sin``: ``[L, D/2, 2]`` (layers.rope_table). Works for the paged cache
     (``PagedKVCache.k(layer)``, slot = block * block_size + offset) and for the fast cache
-    (``FastCacheBackend.k[layer]``, slot = row * C + position).
+    (``FastCacheBackend.k[layer]``, slot = row * C + position). An FP8 paged cache passes its
+    ``k_scale`` / ``v_scale`` (``PagedKVCache.k_scale(layer)``): K and V are stored as e4m3
+    with one scale per (token, KV head), byte-identical to :func:`shoal.quant.kv.quantize_kv`.
     """
     if use_triton(qkv.data if isinstance(qkv, SplitKPartials) else qkv):
         return qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache,
-                                         slots, n_head, n_kv_head, head_dim, q_out=q_out)
+                                         slots, n_head, n_kv_head, head_dim, q_out=q_out,
+                                         k_scale=k_scale, v_scale=v_scale)
     if isinstance(qkv, SplitKPartials):
         qkv = splitk_reduce_ref(qkv)
     q = qk_norm_rope_write_ref(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
-                               n_head, n_kv_head, head_dim)
+                               n_head, n_kv_head, head_dim, k_scale, v_scale)
     if q_out is not None:
         q_out.copy_(q)
         return q_out

@@ -4,7 +4,10 @@ Layout
 ------
 * ``q``: ``[B, H, D]`` (RoPE already applied), bf16 / fp16 / fp32.
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, H_kv, D]``, same dtype as ``q``;
-  the last dimension must be contiguous.
+  the last dimension must be contiguous. Or an FP8 KV cache (:mod:`shoal.quant.kv`): e4m3
+  caches with ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, H_kv]`` fp32 (one dequant
+  scale per token and KV head); the kernel widens the e4m3 tiles exactly to ``q``'s dtype,
+  scales the scores by the key scales and the probabilities by the value scales.
 * ``block_tables``: ``[B, max_blocks]`` int32; token ``t`` of sequence ``b`` lives in
   page ``block_tables[b, t // block_size]`` at slot ``t % block_size``. Entries past a
   sequence's last page are never read (they may hold 0, -1 or garbage).
@@ -49,7 +52,9 @@ except Exception:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "HAS_TRITON",
+    "check_kv_scales",
     "choose_num_splits",
+    "gather_kv",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_decode_attention_triton",
@@ -66,7 +71,26 @@ _PROGRAMS_PER_SM = 3
 # --------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, context_lens):
+def check_kv_scales(q, k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Validate the cache dtypes (and an FP8 cache's scales); True for an FP8 cache."""
+    if k_cache.dtype == torch.float8_e4m3fn and v_cache.dtype == torch.float8_e4m3fn:
+        want = tuple(k_cache.shape[:3])
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc is None:
+                raise ValueError(f"an FP8 KV cache needs {name} [num_blocks, block_size, H_kv]")
+            if tuple(sc.shape) != want or sc.dtype != torch.float32:
+                raise ValueError(f"{name} must be {list(want)} float32, got {tuple(sc.shape)} {sc.dtype}")
+            if sc.stride() != k_scale.stride():
+                raise ValueError("k_scale and v_scale must have the same strides")
+        return True
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    if k_scale is not None or v_scale is not None:
+        raise ValueError("k_scale / v_scale are for an FP8 (float8_e4m3fn) KV cache")
+    return False
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale=None, v_scale=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [B, H, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -84,18 +108,25 @@ def _check_inputs(q, k_cache, v_cache, block_tables, context_lens):
         raise ValueError(f"block_tables must be [B={B}, max_blocks], got {tuple(block_tables.shape)}")
     if context_lens.shape != (B,):
         raise ValueError(f"context_lens must be [B={B}], got {tuple(context_lens.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     return B, H, D, H_kv
 
 
-def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale):
+def gather_kv(cache, scale, pages):
+    """fp32 K or V of the given pages (``cache[pages]``), dequantized for an FP8 cache."""
+    if scale is None:
+        return cache[pages].float()
+    return cache[pages].float() * scale[pages][..., None]
+
+
+def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, *,
+                               k_scale=None, v_scale=None):
     """Reference paged decode attention: gather pages, masked fp32 softmax.
 
     Gathers every page listed in ``block_tables`` (out-of-range entries are clamped, then
     masked), so memory is ``O(B * max_blocks * block_size * H_kv * D)``. No host syncs.
     """
-    B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
     group = H // H_kv
     max_blocks = block_tables.shape[1]
@@ -103,8 +134,8 @@ def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, 
 
     bt = block_tables.to(device=q.device, dtype=torch.long).clamp(0, num_blocks - 1)
     # [B, max_blocks, block_size, H_kv, D] -> [B, L, H_kv, D]
-    k = k_cache[bt].reshape(B, L, H_kv, D).float()
-    v = v_cache[bt].reshape(B, L, H_kv, D).float()
+    k = gather_kv(k_cache, k_scale, bt).reshape(B, L, H_kv, D)
+    v = gather_kv(v_cache, v_scale, bt).reshape(B, L, H_kv, D)
     qf = q.float().reshape(B, H_kv, group, D)
 
     scores = torch.einsum("bkgd,blkd->bkgl", qf, k) * float(scale)  # [B, H_kv, G, L]
@@ -130,6 +161,8 @@ if HAS_TRITON:
         q_ptr,
         k_ptr,
         v_ptr,
+        ks_ptr,
+        vs_ptr,
         bt_ptr,
         lens_ptr,
         o_ptr,
@@ -144,6 +177,8 @@ if HAS_TRITON:
         stride_vb,
         stride_vt,
         stride_vh,
+        stride_sb,
+        stride_st,
         stride_btb,
         stride_ob,
         stride_oh,
@@ -160,6 +195,7 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -190,6 +226,8 @@ if HAS_TRITON:
         bt_row = bt_ptr + b * stride_btb
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
+        ks_head = ks_ptr + kvh
+        vs_head = vs_ptr + kvh
         for tile in range(tile_lo, tile_hi):
             tok = tile * BLOCK_N + offs_n
             tok_mask = tok < ctx
@@ -200,10 +238,15 @@ if HAS_TRITON:
                 mask=tok_mask[:, None],
                 other=0.0,
             )
+            if KV_FP8:
+                k = k.to(q.dtype)  # exact: e4m3 values are representable in bf16 / fp16 / fp32
             if UPCAST_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if KV_FP8:
+                s_off = page * stride_sb + slot * stride_st
+                s = s * tl.load(ks_head + s_off, mask=tok_mask, other=0.0)[None, :]
             s = s * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
             s = tl.where(tok_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -215,10 +258,14 @@ if HAS_TRITON:
                 mask=tok_mask[:, None],
                 other=0.0,
             )
+            pw = p
+            if KV_FP8:
+                v = v.to(q.dtype)
+                pw = p * tl.load(vs_head + s_off, mask=tok_mask, other=0.0)[None, :]
             if UPCAST_DOT:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -336,6 +383,8 @@ def paged_decode_attention_triton(
     scale,
     *,
     out=None,
+    k_scale=None,
+    v_scale=None,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
     num_warps: int = 4,
@@ -345,11 +394,15 @@ def paged_decode_attention_triton(
     Triton was imported with ``TRITON_INTERPRET=1``.
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
-    ``num_warps`` / ``num_stages`` are passed to the split kernel.
+    ``num_warps`` / ``num_stages`` are passed to the split kernel. ``k_scale`` / ``v_scale``:
+    the scales of an FP8 cache (see the module docstring).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
-    B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    kv_fp8 = k_scale is not None
+    if kv_fp8 and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
+        raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     if D not in (32, 64, 128):
         raise ValueError(f"head_dim {D} not supported by the Triton kernel (32, 64 or 128)")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -400,6 +453,8 @@ def paged_decode_attention_triton(
         q,
         k_cache,
         v_cache,
+        k_scale if kv_fp8 else k_cache,
+        v_scale if kv_fp8 else v_cache,
         block_tables,
         context_lens,
         out,
@@ -414,6 +469,8 @@ def paged_decode_attention_triton(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale.stride(0) if kv_fp8 else 0,
+        k_scale.stride(1) if kv_fp8 else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -429,6 +486,7 @@ def paged_decode_attention_triton(
         # patterns (seen with triton 3.9), so interpreted runs do the products in fp32
         # after rounding the operands to the storage dtype, like the compiled kernel.
         UPCAST_DOT=bool(interpret),
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -448,12 +506,16 @@ def paged_decode_attention_triton(
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None,
+                           k_scale=None, v_scale=None):
     """Paged decode attention: the Triton kernel on CUDA tensors (or on any tensors when
-    Triton runs in its interpreter, ``TRITON_INTERPRET=1``), else the PyTorch reference."""
+    Triton runs in its interpreter, ``TRITON_INTERPRET=1``), else the PyTorch reference.
+    ``k_scale`` / ``v_scale``: the scales of an FP8 KV cache."""
     if HAS_TRITON and (q.is_cuda or triton_interpreting()):
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
-    res = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
+                                             k_scale=k_scale, v_scale=v_scale)
+    res = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                     k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return res
     out.copy_(res)

@@ -10,7 +10,9 @@ Layout
 ------
 * ``q``: ``[N, H, D]`` (RoPE already applied), bf16 / fp16 / fp32, last dim contiguous.
 * ``k_cache`` / ``v_cache``: ``[num_blocks, block_size, H_kv, D]``, same dtype as ``q``,
-  last dim contiguous.
+  last dim contiguous; or e4m3 caches with ``k_scale`` / ``v_scale`` ``[num_blocks,
+  block_size, H_kv]`` fp32 (an FP8 KV cache, :mod:`shoal.quant.kv`; handled as in
+  paged_attention.py).
 * ``cu_seqlens``: ``[S + 1]`` int (int32 or int64), non-decreasing, ``cu_seqlens[0] == 0``:
   segment ``s`` is query tokens ``[cu_seqlens[s], cu_seqlens[s + 1])``. Segments of length 0
   are allowed (fixed-size metadata with unused entries). Tokens ``>= cu_seqlens[S]`` are
@@ -50,7 +52,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .paged_attention import HAS_TRITON, _next_pow2, triton_interpreting
+from .paged_attention import HAS_TRITON, _next_pow2, check_kv_scales, gather_kv, triton_interpreting
 
 if HAS_TRITON:
     import triton  # noqa: F401
@@ -68,7 +70,8 @@ _LOG2E = 1.4426950408889634
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
-def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, block_table_rows):
+def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, block_table_rows,
+                  k_scale=None, v_scale=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [N, H, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
@@ -92,8 +95,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, bloc
             raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {S} segments")
     elif block_table_rows.shape != (S,):
         raise ValueError(f"block_table_rows must be [S={S}], got {tuple(block_table_rows.shape)}")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"dtype mismatch: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
+    check_kv_scales(q, k_cache, v_cache, k_scale, v_scale)
     return N, H, D, H_kv, S
 
 
@@ -104,7 +106,7 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, bloc
 
 def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, *,
                                 block_table_rows=None, max_context: int | None = None,
-                                max_query: int | None = None):
+                                max_query: int | None = None, k_scale=None, v_scale=None):
     """Reference paged prefill attention (no host syncs).
 
     ``max_context`` (>= every segment's ``start + length``) and ``max_query`` (>= every
@@ -112,7 +114,7 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens, s
     the block table's width and ``N`` are used.
     """
     N, H, D, H_kv, S = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos,
-                                     block_table_rows)
+                                     block_table_rows, k_scale, v_scale)
     dev = q.device
     out = torch.zeros_like(q)
     if S == 0 or N == 0:
@@ -130,8 +132,8 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens, s
     rows = (torch.arange(S, device=dev) if block_table_rows is None
             else block_table_rows.to(device=dev, dtype=torch.long))
     bt = block_tables.to(device=dev, dtype=torch.long)[rows, :nb].clamp(0, num_blocks - 1)  # [S, nb]
-    k = k_cache[bt].reshape(S, L, H_kv, D).float()
-    v = v_cache[bt].reshape(S, L, H_kv, D).float()
+    k = gather_kv(k_cache, k_scale, bt).reshape(S, L, H_kv, D)
+    v = gather_kv(v_cache, v_scale, bt).reshape(S, L, H_kv, D)
     ends = start + (cu[1:] - cu[:-1])  # [S]: keys [0, end) exist for segment s
     keys = torch.arange(L, device=dev)
     kvalid = keys[None, :] < ends[:, None]  # [S, L]
@@ -170,6 +172,8 @@ if HAS_TRITON:
         q_ptr,
         k_ptr,
         v_ptr,
+        ks_ptr,
+        vs_ptr,
         o_ptr,
         cu_ptr,
         start_ptr,
@@ -186,6 +190,8 @@ if HAS_TRITON:
         stride_vb,
         stride_vt,
         stride_vh,
+        stride_sb,
+        stride_st,
         stride_on,
         stride_oh,
         stride_btr,
@@ -199,6 +205,7 @@ if HAS_TRITON:
         HAS_ROWS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
+        KV_FP8: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -257,6 +264,8 @@ if HAS_TRITON:
         bt_row = bt_ptr + row.to(tl.int64) * stride_btr
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
+        ks_head = ks_ptr + kvh
+        vs_head = vs_ptr + kvh
 
         # keys every query of the tile sees: no mask
         for kt in range(n_full):
@@ -264,20 +273,29 @@ if HAS_TRITON:
             page = tl.load(bt_row + key // PAGE_SIZE).to(tl.int64)
             slot = key % PAGE_SIZE
             k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :])
+            if KV_FP8:
+                k = k.to(q.dtype)  # exact widening of the e4m3 values
             if UPCAST_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if KV_FP8:
+                s_off = page * stride_sb + slot * stride_st
+                s = s * tl.load(ks_head + s_off)[None, :]
             s = s * qk_scale  # log2 units
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :])
+            pw = p
+            if KV_FP8:
+                v = v.to(q.dtype)
+                pw = p * tl.load(vs_head + s_off)[None, :]
             if UPCAST_DOT:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -292,10 +310,15 @@ if HAS_TRITON:
                 mask=key_ok[:, None],
                 other=0.0,
             )
+            if KV_FP8:
+                k = k.to(q.dtype)
             if UPCAST_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            if KV_FP8:
+                s_off = page * stride_sb + slot * stride_st
+                s = s * tl.load(ks_head + s_off, mask=key_ok, other=0.0)[None, :]
             s = s * qk_scale
             visible = (key[None, :] <= qpos[:, None]) & key_ok[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -308,10 +331,14 @@ if HAS_TRITON:
                 mask=key_ok[:, None],
                 other=0.0,
             )
+            pw = p
+            if KV_FP8:
+                v = v.to(q.dtype)
+                pw = p * tl.load(vs_head + s_off, mask=key_ok, other=0.0)[None, :]
             if UPCAST_DOT:
-                pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
             else:
-                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
@@ -355,7 +382,8 @@ def max_tiles(n_tokens: int, n_segments: int, block_m: int) -> int:
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, *,
                                    block_table_rows=None, out=None, block_m: int | None = None,
-                                   block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
+                                   block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                                   k_scale=None, v_scale=None):
     """Run the Triton kernel: compiled (CUDA tensors) or interpreted (``TRITON_INTERPRET=1``).
 
     ``block_m``: query tokens per tile (rows = ``block_m`` x the padded group, >= 16);
@@ -363,7 +391,10 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     N, H, D, H_kv, S = _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos,
-                                     block_table_rows)
+                                     block_table_rows, k_scale, v_scale)
+    kv_fp8 = k_scale is not None
+    if kv_fp8 and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
+        raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     if not kernel_supported(D, q.dtype):
         raise ValueError(f"head_dim {D} / dtype {q.dtype} not supported by the Triton kernel")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -403,6 +434,8 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         q,
         k_cache,
         v_cache,
+        k_scale if kv_fp8 else k_cache,
+        v_scale if kv_fp8 else v_cache,
         out,
         cu_seqlens,
         start_pos,
@@ -419,6 +452,8 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale.stride(0) if kv_fp8 else 0,
+        k_scale.stride(1) if kv_fp8 else 0,
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
@@ -434,6 +469,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         # the interpreter multiplies bf16 dot operands as raw bits (see paged_attention.py):
         # interpreted runs do the products in fp32 on operands rounded to the storage dtype
         UPCAST_DOT=bool(interpret),
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -448,16 +484,18 @@ def use_kernel(q) -> bool:
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, *,
                             block_table_rows=None, out=None, max_context: int | None = None,
-                            max_query: int | None = None):
+                            max_query: int | None = None, k_scale=None, v_scale=None):
     """Paged varlen causal prefill attention: the Triton kernel on CUDA tensors (or on any
     tensors under ``TRITON_INTERPRET=1``) when it supports the head size, else the PyTorch
-    reference (``max_context`` / ``max_query``: optional host-side bounds for its shapes)."""
+    reference (``max_context`` / ``max_query``: optional host-side bounds for its shapes).
+    ``k_scale`` / ``v_scale``: the scales of an FP8 KV cache."""
     if use_kernel(q):
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale,
-                                              block_table_rows=block_table_rows, out=out)
+                                              block_table_rows=block_table_rows, out=out,
+                                              k_scale=k_scale, v_scale=v_scale)
     res = paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale,
                                       block_table_rows=block_table_rows, max_context=max_context,
-                                      max_query=max_query)
+                                      max_query=max_query, k_scale=k_scale, v_scale=v_scale)
     if out is None:
         return res
     out.copy_(res)

@@ -31,6 +31,9 @@ class DualAR(nn.Module):
     # partials and activation quantization consumed by the next kernel, bit-identical);
     # False runs the unfused FP8 kernels (comparisons, benchmarks)
     fp8_fusion: bool = True
+    # slow KV cache dtype of the reference loop (new_slow_cache): None = the model's dtype,
+    # torch.float8_e4m3fn = the engine's FP8 KV cache (shoal.quant.kv; the correctness gate)
+    kv_cache_dtype: torch.dtype | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -72,9 +75,12 @@ class DualAR(nn.Module):
         return self.embeddings.weight.device
 
     def new_slow_cache(self, batch: int, max_len: int | None = None) -> StaticKVCache:
+        """The reference loop's slow cache; its dtype follows ``self.kv_cache_dtype`` (None: the
+        model's; ``torch.float8_e4m3fn``: the FP8 KV cache the engine serves with)."""
         s = self.config.slow
         return StaticKVCache(s.n_layer, batch, max_len or self.config.max_seq_len, s.n_local_heads,
-                             s.head_dim, s.n_head, self.dtype, self.device)
+                             s.head_dim, s.n_head, self.dtype, self.device,
+                             kv_dtype=self.kv_cache_dtype)
 
     def new_fast_cache(self, batch: int) -> StaticKVCache:
         f = self.config.fast
@@ -173,10 +179,12 @@ class DualAR(nn.Module):
             sh = att.shape
             qkv = fp8_fused.project(att.wqkv, act) if fp8 else att.wqkv(normed)
             k_cache, v_cache, slots = backend.fused_target(i)
+            k_scale, v_scale = backend.kv_scales(i) if hasattr(backend, "kv_scales") else (None, None)
             q = qk_norm_rope_write(qkv, pos, rope,
                                    att.q_norm.weight if sh.qk_norm else None,
                                    att.k_norm.weight if sh.qk_norm else None, eps,
-                                   k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim)
+                                   k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim,
+                                   k_scale=k_scale, v_scale=v_scale)
             y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
             ff = layer.feed_forward
             if fp8:

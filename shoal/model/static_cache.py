@@ -3,6 +3,9 @@
 Used by the reference generation loop and the tests. Every row has its own positions, so a
 batch may mix sequences of different lengths; attention is length-aware (keys beyond a
 query's position are masked, keys beyond the longest live position are never read).
+With ``kv_dtype="fp8"`` it stores e4m3 keys and values with one scale per (token, KV head)
+(:mod:`shoal.quant.kv`, the engine's FP8 KV cache) and attends in fp32 over their
+dequantized values, so the reference loop decodes with the numerics the engine serves.
 """
 
 from __future__ import annotations
@@ -14,10 +17,17 @@ from torch import Tensor
 
 class StaticKVCache:
     def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
-                 n_heads: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 n_heads: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: torch.dtype | str | None = None) -> None:
+        from ..quant.kv import FP8_KV_DTYPE, parse_kv_cache_dtype
+
+        kv_dtype = parse_kv_cache_dtype(kv_dtype)
+        self.fp8 = kv_dtype == FP8_KV_DTYPE
         shape = (n_layers, batch, max_len, n_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.v = torch.zeros(shape, dtype=kv_dtype or dtype, device=device)
+        self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.fp8 else None
+        self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device) if self.fp8 else None
         self.max_len = max_len
         self.group = n_heads // n_kv_heads
         self._rows: Tensor | None = None
@@ -49,6 +59,8 @@ class StaticKVCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         assert self._positions is not None and self._rows is not None, "bind() before forward"
         rows = self._rows[:, None].expand_as(self._positions)
+        if self.fp8:
+            return self._attend_fp8(layer, rows, q, k, v)
         self.k[layer][rows, self._positions] = k
         self.v[layer][rows, self._positions] = v
         keys = self.k[layer][self._rows, : self._kv_len].transpose(1, 2)  # [B,Hkv,kv,D]
@@ -58,3 +70,20 @@ class StaticKVCache:
             vals = vals.repeat_interleave(self.group, dim=1)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=self._mask)
         return y.transpose(1, 2)
+
+    def _attend_fp8(self, layer: int, rows: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from ..quant.kv import dequantize_kv, quantize_kv
+
+        read = []
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            xq, xs = quantize_kv(x)
+            cache[layer].view(torch.uint8)[rows, self._positions] = xq.view(torch.uint8)
+            scales[layer][rows, self._positions] = xs
+            read.append(dequantize_kv(cache[layer][self._rows, : self._kv_len],
+                                      scales[layer][self._rows, : self._kv_len]).transpose(1, 2))
+        keys, vals = read  # fp32 [B, Hkv, kv, D]
+        if self.group > 1:
+            keys = keys.repeat_interleave(self.group, dim=1)
+            vals = vals.repeat_interleave(self.group, dim=1)
+        y = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, vals, attn_mask=self._mask)
+        return y.transpose(1, 2).to(q.dtype)

@@ -50,13 +50,16 @@ class PromptResult:
 class GateResult:
     frames: int
     prompts: list[PromptResult]
+    weights: str = "fp8"  # what the checked side quantizes: "fp8" weights, or "bf16" (KV only)
+    kv_cache_dtype: str = "auto"  # "fp8": the checked side decodes with the FP8 KV cache
 
     @property
     def passed(self) -> bool:
         return all(p.passed for p in self.prompts)
 
     def report(self) -> str:
-        lines = []
+        lines = [f"checked: {self.weights} weights" + (", FP8 KV cache" if self.kv_cache_dtype == "fp8" else "")
+                 + " against bf16"]
         for p in self.prompts:
             status = "PASS" if p.passed else "FAIL"
             lines.append(f"[{status}] {p.text!r}: {self.frames} frames, "
@@ -119,6 +122,8 @@ def _decode_capturing(model: nn.Module, grid, im_end_id: int, frames: int
 def run_gate(ref_model: nn.Module, fp8_model: nn.Module, tokenizer, frames: int = 5,
              prompts: tuple[str, ...] = REFERENCE_PROMPTS,
              max_layer_error: float = DEFAULT_MAX_LAYER_ERROR) -> GateResult:
+    """``fp8_model`` decodes with its ``kv_cache_dtype`` (the FP8 KV cache when set), so the
+    gate covers what the engine serves with ``kv_cache_dtype="fp8"``."""
     from ..text import build_session
 
     family = ref_model.config.family
@@ -137,38 +142,50 @@ def run_gate(ref_model: nn.Module, fp8_model: nn.Module, tokenizer, frames: int 
         results.append(PromptResult(text, ref_cols, fp8_cols,
                                     _first_mismatch(ref_cols, fp8_cols, frames), errs,
                                     max_layer_error))
-    return GateResult(frames, results)
+    from .kv import kv_cache_dtype_name
+
+    return GateResult(frames, results, kv_cache_dtype=kv_cache_dtype_name(getattr(fp8_model, "kv_cache_dtype", None)))
 
 
 def correctness_gate(checkpoint: str, fp8_checkpoint: str | None = None, *, frames: int = 5,
                      include_heads: bool = False, device: str = "cpu", dtype: str = "bf16",
                      verify: bool = True,
-                     max_layer_error: float = DEFAULT_MAX_LAYER_ERROR) -> GateResult:
+                     max_layer_error: float = DEFAULT_MAX_LAYER_ERROR, kv_cache_dtype: str | None = None,
+                     quantize_weights: bool = True) -> GateResult:
     """Load the bf16 reference and the FP8 model (an FP8 checkpoint, or ``checkpoint``
-    quantized at load when ``fp8_checkpoint`` is None) and run :func:`run_gate`."""
+    quantized at load when ``fp8_checkpoint`` is None) and run :func:`run_gate`.
+    ``kv_cache_dtype="fp8"``: the FP8 side decodes with the FP8 KV cache; with
+    ``quantize_weights=False`` (and no ``fp8_checkpoint``) only the KV cache is quantized."""
     from ..checkpoint import DTYPES, load_dualar
     from .convert import quantize_model
+    from .kv import parse_kv_cache_dtype
     from .loader import load_fp8_dualar
 
     dt = DTYPES[dtype]
     ref, tok = load_dualar(checkpoint, device=device, dtype=dt)
     if fp8_checkpoint is None:
         fp8, _ = load_dualar(checkpoint, device=device, dtype=dt)
-        quantize_model(fp8, include_heads=include_heads)
+        if quantize_weights:
+            quantize_model(fp8, include_heads=include_heads)
     else:
         fp8, _ = load_fp8_dualar(fp8_checkpoint, device=device, dtype=dt, verify=verify)
-    return run_gate(ref, fp8, tok, frames, max_layer_error=max_layer_error)
+    fp8.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+    res = run_gate(ref, fp8, tok, frames, max_layer_error=max_layer_error)
+    res.weights = "fp8" if fp8_checkpoint is not None or quantize_weights else "bf16"
+    return res
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
     if args.gate_cmd != "correctness":
         raise ValueError(f"unknown gate {args.gate_cmd!r}")
-    if args.fp8_checkpoint is None and not args.quantize:
-        raise ValueError("give --fp8-checkpoint DIR or --quantize")
+    kv_fp8 = args.kv_cache_dtype == "fp8"
+    if args.fp8_checkpoint is None and not args.quantize and not kv_fp8:
+        raise ValueError("give --fp8-checkpoint DIR, --quantize or --kv-cache-dtype fp8")
     result = correctness_gate(args.checkpoint, args.fp8_checkpoint, frames=args.frames,
                               include_heads=args.include_heads, device=args.device,
                               dtype=args.dtype, verify=not args.skip_verify,
-                              max_layer_error=args.max_layer_error)
+                              max_layer_error=args.max_layer_error, kv_cache_dtype=args.kv_cache_dtype,
+                              quantize_weights=args.fp8_checkpoint is not None or args.quantize)
     print(result.report())
     return 0 if result.passed else 1
 
@@ -187,6 +204,9 @@ def add_gate_parser(subparsers) -> argparse.ArgumentParser:
                    help="fail when a layer's output relative error exceeds this (inf: tokens only)")
     c.add_argument("--device", default="cpu")
     c.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    c.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="fp8: the checked side decodes with the FP8 KV cache (alone, without "
+                        "--quantize / --fp8-checkpoint: bf16 weights, FP8 KV cache only)")
     c.add_argument("--skip-verify", action="store_true",
                    help="debugging: load the FP8 checkpoint without layout verification")
     c.set_defaults(func=cmd_gate)

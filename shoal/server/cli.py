@@ -41,6 +41,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
                    help="fp8: quantize the DualAR to block-scaled FP8 at load (FP8 checkpoints from "
                         "`shoal quantize` are detected and need no flag); docs/quantization.md")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                   help="slow KV cache storage: auto (the model's dtype) or fp8 (e4m3 with one scale per "
+                        "token and KV head: half the bytes, twice the tokens per GiB; checked by "
+                        "`shoal gate correctness --kv-cache-dtype fp8`); default: env "
+                        "SHOAL_KV_CACHE_DTYPE, else auto; docs/quantization.md")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -102,7 +107,7 @@ def _load_checkpoint_service(args: argparse.Namespace):
     return TTSService.load(checkpoint, device=args.device, dtype=args.dtype,
                            max_running=args.max_running, max_seq_len=args.max_seq_len,
                            quantization=args.quantization, codec_dtype=args.codec_dtype,
-                           prefill_chunk=args.prefill_chunk)
+                           prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
@@ -118,7 +123,7 @@ def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
     slow, codec = parameter_count(tts)
     service = TTSService.from_tts(tts, max_running=args.max_running, max_seq_len=args.max_seq_len,
                                   model_name=f"random {args.random_model}", random_weights=True,
-                                  prefill_chunk=args.prefill_chunk)
+                                  prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype)
     cdt = service.codec_dtype or {}
     log.warning("RANDOM WEIGHTS, BENCHMARK ONLY: %s shapes (DualAR %.2fB parameters %s, codec %.0fM "
                 "parameters, decode %s / encode %s) built on %s in %.1f s; the audio is noise; "

@@ -24,6 +24,9 @@ async def ready(request: Request) -> JSONResponse:
         return error_response(503, "warming up", {"Retry-After": str(state.config.retry_after_s)})
     body = {"status": "ready", "model_family": service.family, "sample_rate": service.sample_rate,
             "max_running": service.max_running, "model": getattr(service, "model_name", "")}
+    kv = getattr(service, "kv_cache_dtype", None)  # "fp8" or the model's dtype
+    if kv:
+        body["kv_cache_dtype"] = kv
     codec_dtype = getattr(service, "codec_dtype", None)  # {"encode": "fp32", "decode": "bf16"}
     if codec_dtype:
         body["codec_dtype"] = codec_dtype

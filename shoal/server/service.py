@@ -168,21 +168,25 @@ class TTSService:
     def load(cls, checkpoint: str | Path, *, device: str | None = None, dtype: str | None = None,
              max_running: int | None = None, max_seq_len: int | None = None,
              resolver: VoiceResolver | None = None, quantization: str | None = None,
-             codec_dtype: str | None = None, prefill_chunk: int | None = None) -> TTSService:
+             codec_dtype: str | None = None, prefill_chunk: int | None = None,
+             kv_cache_dtype: str | None = None) -> TTSService:
         tts = TTS.load(checkpoint, device=device, dtype=dtype, quantization=quantization,
                        codec_dtype=codec_dtype)
         return cls.from_tts(tts, max_running=max_running, max_seq_len=max_seq_len, resolver=resolver,
-                            model_name=str(checkpoint), prefill_chunk=prefill_chunk)
+                            model_name=str(checkpoint), prefill_chunk=prefill_chunk,
+                            kv_cache_dtype=kv_cache_dtype)
 
     @classmethod
     def from_tts(cls, tts: TTS, *, max_running: int | None = None, max_seq_len: int | None = None,
                  resolver: VoiceResolver | None = None, model_name: str = "",
-                 random_weights: bool = False, prefill_chunk: int | None = None) -> TTSService:
-        """A service over a model bundle already in memory (e.g. ``shoal.bench.random_tts``)."""
+                 random_weights: bool = False, prefill_chunk: int | None = None,
+                 kv_cache_dtype: str | None = None) -> TTSService:
+        """A service over a model bundle already in memory (e.g. ``shoal.bench.random_tts``).
+        ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (docs/quantization.md)."""
         if prefill_chunk is not None and prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16 tokens, got {prefill_chunk}")
         config = EngineConfig(max_running=max_running, max_seq_len=max_seq_len,
-                              audio_schedule=LATENCY_SCHEDULES[DEFAULT_LATENCY],
+                              audio_schedule=LATENCY_SCHEDULES[DEFAULT_LATENCY], kv_cache_dtype=kv_cache_dtype,
                               **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}))
         engine = Engine(tts.model, tts.tokenizer.im_end_id, codec=tts.codec, config=config)
         return cls(tts, AsyncEngine(engine), resolver=resolver, model_name=model_name,
@@ -200,6 +204,14 @@ class TTSService:
     @property
     def max_running(self) -> int:
         return self.engine.engine.max_running
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The engine's slow KV cache storage: "fp8" or the model's dtype name."""
+        from ..checkpoint import dtype_name
+
+        eng = self.engine.engine
+        return "fp8" if eng.kv_cache_dtype is not None else dtype_name(eng.model.dtype)
 
     @property
     def codec_dtype(self) -> dict[str, str] | None:
