@@ -115,6 +115,17 @@ def guarded(results: list, record: dict, fn) -> dict:
     return record
 
 
+def use_layout(codec, layout: str) -> str:
+    """Configure the decoder's conv path: "serving" (what ``serving_decoder`` picks; returns the
+    layout it chose), "cudnn" or "cudnn-cl"."""
+    from ..codec.streaming import configure_serving_layout
+
+    if layout == "serving":
+        return configure_serving_layout(codec)
+    codec.configure_serving(channels_last=layout == "cudnn-cl", triton_conv=False)
+    return layout
+
+
 def make_decoder(codec, graphs: bool, batches, chunks):
     from ..codec.streaming import GraphedStreamingDecoder, StreamingDecoder
 
@@ -292,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,16,32,64,128")
     p.add_argument("--chunks", default="4,8,16,32")
     p.add_argument("--modes", default="graph,eager", help="graph,eager")
-    p.add_argument("--channels-last", action="store_true", help="decoder convs channels-last in the main grid")
+    p.add_argument("--layout", choices=["serving", "cudnn", "cudnn-cl"], default="serving",
+                   help="decoder conv path of the throughput grid and latency runs: serving (what "
+                        "the engine runs: Triton implicit-GEMM convs, channels-last, for bf16 on CUDA), "
+                        "cudnn (channels-first cuDNN), cudnn-cl (channels-last cuDNN)")
+    p.add_argument("--channels-last", action="store_true", help="same as --layout cudnn-cl")
     p.add_argument("--no-cudnn-benchmark", action="store_true", help="main grid without cudnn.benchmark")
     p.add_argument("--variants", default="auto", help="'none' or 'auto': layout x autotune variants at a few points")
     p.add_argument("--iters", type=int, default=5)
@@ -312,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     modes = [m for m in args.modes.split(",") if m]
     skip = set(args.skip.split(","))
+    layout_arg = "cudnn-cl" if args.channels_last else args.layout
     torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
     torch.set_grad_enabled(False)
 
@@ -346,13 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- throughput grid
     if "throughput" not in skip:
         for dt in dtypes:
-            codec = codecs[dt].configure_serving(channels_last=args.channels_last)
+            codec = codecs[dt]
+            layout = use_layout(codec, layout_arg)
+            log(f"{dt} decoder layout: {layout}")
             for mode in modes:
                 dec = make_decoder(codec, mode == "graph", batches, chunks)
                 for b in batches:
                     for t in chunks:
                         rec = {"dtype": dt, "graphs": mode == "graph", "batch": b, "chunk": t,
-                               "channels_last": args.channels_last}
+                               "layout": layout, "channels_last": layout != "cudnn"}
                         r = guarded(res["throughput"], rec,
                                     lambda: time_stream(dec, codec, b, t, args.iters, args.warmup, dev))
                         if "error" not in r:
@@ -361,23 +379,25 @@ def main(argv: list[str] | None = None) -> int:
                 del dec
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
-            codec.configure_serving(channels_last=False)
+            use_layout(codec, "cudnn")
 
     # ---------------------------------------------------------------- first-chunk latency
     if "latency" not in skip:
         for dt in dtypes:
             codec = codecs[dt]
+            layout = use_layout(codec, layout_arg)
             for mode in modes:
                 lat_b = [b for b in (1, 64) if b <= max(batches)] or [1]
                 dec = make_decoder(codec, mode == "graph", lat_b, (4, 8))
                 for b in lat_b:
                     for t in (4, 8):
-                        rec = {"dtype": dt, "graphs": mode == "graph", "batch": b, "chunk": t}
+                        rec = {"dtype": dt, "graphs": mode == "graph", "batch": b, "chunk": t, "layout": layout}
                         r = guarded(res["latency"], rec, lambda: time_first_chunk(dec, b, t, args.latency_reps, dev))
                         if "error" not in r:
                             log(f"first chunk {dt} {mode:5s} b={b:3d} t={t}: p50 {r['p50_ms']:.2f} ms "
                                 f"(min {r['min_ms']:.2f})")
                 del dec
+            use_layout(codec, "cudnn")
 
     # ---------------------------------------------------------------- one-shot (reference call shape)
     if "oneshot" not in skip:

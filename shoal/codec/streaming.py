@@ -341,6 +341,23 @@ class GraphedStreamingDecoder(StreamingDecoder):
             return g.out[:B].clone()
 
 
+def configure_serving_layout(codec: Codec) -> str:
+    """Put the codec's decoder in the layout serving uses (see :func:`serving_decoder`); returns
+    it: "triton" (Triton implicit-GEMM convs, channels-last), "cudnn-cl" or "cudnn"."""
+    from ..kernels.codec_conv import codec_conv_enabled
+
+    # the decode side's precision (a codec may encode in fp32 and decode in bf16)
+    if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
+        codec.configure_serving(channels_last=True, triton_conv=True,
+                                snake_epilogue=os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0") == "1")
+        return "triton"
+    if os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
+        cl = os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", "")
+        codec.configure_serving(channels_last=cl, triton_conv=False)
+        return "cudnn-cl" if cl else "cudnn"
+    return "cudnn-cl" if codec.decoder.channels_last else "cudnn"
+
+
 def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> StreamingDecoder:
     """The streaming decoder for serving: CUDA graphs on a CUDA codec unless disabled
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
@@ -349,15 +366,7 @@ def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> Strea
     ``SHOAL_CODEC_CONV_EPILOGUE=1`` moves the Snakes into the conv epilogues, slower on an H200);
     ``SHOAL_CODEC_TRITON_CONV=1`` forces them for fp32 too, ``=0`` gives cuDNN, with
     ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
-    from ..kernels.codec_conv import codec_conv_enabled
-
-    # the decode side's precision (a codec may encode in fp32 and decode in bf16)
-    if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
-        codec.configure_serving(channels_last=True, triton_conv=True,
-                                snake_epilogue=os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0") == "1")
-    elif os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
-        codec.configure_serving(channels_last=os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", ""),
-                                triton_conv=False)
+    configure_serving_layout(codec)
     if graphs is None:
         graphs = os.environ.get("SHOAL_CODEC_GRAPHS", "1") not in ("0", "")
     if graphs and codec.device.type == "cuda":
