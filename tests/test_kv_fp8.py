@@ -310,7 +310,8 @@ def test_gpu_write_kernel_bytes(name):
 
 @needs_cuda
 def test_gpu_fp8_attention_at_s2_pro_sizes():
-    from shoal.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+    from shoal.kernels.paged_attention import (paged_decode_attention, paged_decode_attention_ref,
+                                               paged_decode_attention_triton)
     from shoal.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     g = torch.Generator().manual_seed(0)
@@ -319,9 +320,15 @@ def test_gpu_fp8_attention_at_s2_pro_sizes():
     q = torch.randn(B, H, D, generator=g).bfloat16().cuda()
     bt = torch.randperm(nb - 1, generator=g)[: B * 40].reshape(B, 40).int().cuda()
     lens = torch.randint(1, 640, (B,), generator=g).int().cuda()
-    out = paged_decode_attention(q, k8, v8, bt, lens, D ** -0.5, k_scale=ks, v_scale=vs)
     ref = paged_decode_attention_ref(q, k8, v8, bt, lens, D ** -0.5, k_scale=ks, v_scale=vs)
+    out = paged_decode_attention(q, k8, v8, bt, lens, D ** -0.5, k_scale=ks, v_scale=vs)
     assert _excess(out, ref, 2e-2) <= 2e-2
+    for cvt in ("f16", "q"):  # every launch variant of the FP8-cache loop
+        for prefetch in (True, False):
+            for block_n, splits in ((32, 1), (64, 3), (128, 2)):
+                o = paged_decode_attention_triton(q, k8, v8, bt, lens, D ** -0.5, k_scale=ks, v_scale=vs,
+                                                  cvt=cvt, prefetch=prefetch, block_n=block_n, num_splits=splits)
+                assert _excess(o, ref, 2e-2) <= 2e-2, (cvt, prefetch, block_n, splits)
     qp = torch.randn(300, H, D, generator=g).bfloat16().cuda()
     cu = torch.tensor([0, 100, 300]).cuda()
     start = torch.tensor([200, 0]).cuda()

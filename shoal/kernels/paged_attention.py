@@ -52,7 +52,9 @@ except Exception:  # pragma: no cover - depends on the environment
 
 __all__ = [
     "HAS_TRITON",
+    "FP8_KV_CONFIG",
     "check_kv_scales",
+    "fp8_kv_config",
     "choose_num_splits",
     "gather_kv",
     "paged_decode_attention",
@@ -196,6 +198,8 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         KV_FP8: tl.constexpr,
+        CVT_F16: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -228,46 +232,110 @@ if HAS_TRITON:
         v_head = v_ptr + kvh * stride_vh
         ks_head = ks_ptr + kvh
         vs_head = vs_ptr + kvh
-        for tile in range(tile_lo, tile_hi):
-            tok = tile * BLOCK_N + offs_n
-            tok_mask = tok < ctx
-            page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
-            slot = tok % PAGE_SIZE
-            k = tl.load(
-                k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                mask=tok_mask[:, None],
-                other=0.0,
-            )
-            if KV_FP8:
-                k = k.to(q.dtype)  # exact: e4m3 values are representable in bf16 / fp16 / fp32
-            if UPCAST_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if KV_FP8:
+            # FP8 cache: e4m3 tiles widened to the dot dtype (exact), key scales on the scores,
+            # value scales on the probabilities (normalised by the tile's largest value scale,
+            # applied to the product: p * scale stays in fp16 range). PREFETCH: the next tile's
+            # K/V and scales are loaded into registers while this one computes (the widening
+            # between load and dot keeps Triton from pipelining the loads itself).
+            if CVT_F16:
+                qd = q.to(tl.float16)  # exact for bf16 values in fp16's range (qk-normed)
             else:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if KV_FP8:
+                qd = q
+            if PREFETCH:  # the first tile
+                tok = tile_lo * BLOCK_N + offs_n
+                tok_mask = tok < tl.minimum(ctx, tile_hi * BLOCK_N)
+                page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+                slot = tok % PAGE_SIZE
                 s_off = page * stride_sb + slot * stride_st
-                s = s * tl.load(ks_head + s_off, mask=tok_mask, other=0.0)[None, :]
-            s = s * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-            s = tl.where(tok_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                mask=tok_mask[:, None],
-                other=0.0,
-            )
-            pw = p
-            if KV_FP8:
-                v = v.to(q.dtype)
-                pw = p * tl.load(vs_head + s_off, mask=tok_mask, other=0.0)[None, :]
-            if UPCAST_DOT:
-                pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                k8 = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                             mask=tok_mask[:, None], other=0.0)
+                v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                             mask=tok_mask[:, None], other=0.0)
+                ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
+                vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
+            for tile in range(tile_lo, tile_hi):
+                if not PREFETCH:
+                    tok = tile * BLOCK_N + offs_n
+                    tok_mask = tok < ctx
+                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+                    slot = tok % PAGE_SIZE
+                    s_off = page * stride_sb + slot * stride_st
+                    k8 = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                                 mask=tok_mask[:, None], other=0.0)
+                    v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                                 mask=tok_mask[:, None], other=0.0)
+                    ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
+                    vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
+                cur_mask = tok_mask
+                k_cur = k8
+                v_cur = v8
+                ks_cur = ksc
+                vs_cur = vsc
+                if PREFETCH:
+                    tok = (tile + 1) * BLOCK_N + offs_n
+                    tok_mask = tok < tl.minimum(ctx, tile_hi * BLOCK_N)
+                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+                    slot = tok % PAGE_SIZE
+                    s_off = page * stride_sb + slot * stride_st
+                    k8 = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                                 mask=tok_mask[:, None], other=0.0)
+                    v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                                 mask=tok_mask[:, None], other=0.0)
+                    ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
+                    vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
+                k = k_cur.to(qd.dtype)
+                if UPCAST_DOT:
+                    s = tl.dot(qd.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(qd, tl.trans(k), input_precision=DOT_PRECISION)
+                s = s * ks_cur[None, :] * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+                s = tl.where(cur_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = v_cur.to(qd.dtype)
+                vs_max = tl.maximum(tl.max(vs_cur, 0), 1e-30)
+                pw = p * (vs_cur / vs_max)[None, :]
+                if UPCAST_DOT:
+                    pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
+                acc = acc * alpha[:, None] + pv * vs_max
+                m_i = m_new
+        else:
+            for tile in range(tile_lo, tile_hi):
+                tok = tile * BLOCK_N + offs_n
+                tok_mask = tok < ctx
+                page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+                slot = tok % PAGE_SIZE
+                k = tl.load(
+                    k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                    mask=tok_mask[:, None],
+                    other=0.0,
+                )
+                if UPCAST_DOT:
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                s = s * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+                s = tl.where(tok_mask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                    mask=tok_mask[:, None],
+                    other=0.0,
+                )
+                if UPCAST_DOT:
+                    pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
 
         has = l_i > 0.0
         l_safe = tl.where(has, l_i, 1.0)
@@ -374,6 +442,29 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, min(want, max_tiles // 2, _MAX_SPLITS))
 
 
+# Launch options of the kernel on an FP8 cache (keys of paged_decode_attention_triton plus
+# ``cvt``: "f16" widens e4m3 to fp16 for the products (one cvt per two values; q is widened from
+# bf16 exactly), "q" to the query's dtype; ``prefetch``: register double buffering of the next
+# tile; ``split_mult``: multiplies the heuristic split count). SHOAL_ATTN_FP8_CONFIG="key=value,
+# ..." overrides them (``shoal.bench.kernels_attention --fp8-sweep`` measures the choices).
+FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "f16", "prefetch": True,
+                 "split_mult": 1}
+
+
+def fp8_kv_config() -> dict:
+    import os
+
+    cfg = dict(FP8_KV_CONFIG)
+    for item in filter(None, os.environ.get("SHOAL_ATTN_FP8_CONFIG", "").split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in cfg:
+            raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: unknown key {key!r} (keys: {', '.join(cfg)})")
+        cfg[key] = value.strip() if key == "cvt" else (value.strip().lower() in ("1", "true", "yes", "on")
+                                                       if key == "prefetch" else int(value))
+    return cfg
+
+
 def paged_decode_attention_triton(
     q,
     k_cache,
@@ -387,15 +478,18 @@ def paged_decode_attention_triton(
     v_scale=None,
     num_splits: Optional[int] = None,
     block_n: Optional[int] = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+    cvt: Optional[str] = None,
+    prefetch: Optional[bool] = None,
 ):
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
-    ``num_warps`` / ``num_stages`` are passed to the split kernel. ``k_scale`` / ``v_scale``:
-    the scales of an FP8 cache (see the module docstring).
+    ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
+    ``v_scale``: the scales of an FP8 cache (see the module docstring); its launch options
+    default to :func:`fp8_kv_config` (``cvt``, ``prefetch``: see ``FP8_KV_CONFIG``).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
@@ -417,6 +511,19 @@ def paged_decode_attention_triton(
     block_size = k_cache.shape[1]
     group = H // H_kv
     group_pad = max(16, _next_pow2(group))
+    split_mult = 1
+    if kv_fp8:
+        fc = fp8_kv_config()
+        block_n = fc["block_n"] if block_n is None else block_n
+        num_warps = fc["num_warps"] if num_warps is None else num_warps
+        num_stages = fc["num_stages"] if num_stages is None else num_stages
+        cvt = fc["cvt"] if cvt is None else cvt
+        prefetch = fc["prefetch"] if prefetch is None else prefetch
+        split_mult = fc["split_mult"]
+        if cvt not in ("f16", "q"):
+            raise ValueError(f"cvt must be 'f16' or 'q', got {cvt!r}")
+    num_warps = 4 if num_warps is None else num_warps
+    num_stages = 2 if num_stages is None else num_stages
     if block_n is None:
         block_n = _default_block_n(block_size, D)
     if block_n < 16 or block_n & (block_n - 1):
@@ -424,6 +531,8 @@ def paged_decode_attention_triton(
     if num_splits is None:
         sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
         num_splits = choose_num_splits(B, H_kv, block_tables.shape[1] * block_size, block_n, sms)
+        max_tiles = max(1, -(-block_tables.shape[1] * block_size // block_n))
+        num_splits = min(num_splits * split_mult, max_tiles, _MAX_SPLITS)
     num_splits = int(max(1, num_splits))
 
     if q.stride(-1) != 1:
@@ -487,6 +596,8 @@ def paged_decode_attention_triton(
         # after rounding the operands to the storage dtype, like the compiled kernel.
         UPCAST_DOT=bool(interpret),
         KV_FP8=kv_fp8,
+        CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
+        PREFETCH=kv_fp8 and bool(prefetch),
         num_warps=num_warps,
         num_stages=num_stages,
     )
