@@ -199,7 +199,6 @@ if HAS_TRITON:
         UPCAST_DOT: tl.constexpr,
         KV_FP8: tl.constexpr,
         CVT_F16: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -235,16 +234,16 @@ if HAS_TRITON:
         if KV_FP8:
             # FP8 cache: e4m3 tiles widened to the dot dtype (exact), key scales on the scores,
             # value scales on the probabilities (normalised by the tile's largest value scale,
-            # applied to the product: p * scale stays in fp16 range). PREFETCH: the next tile's
-            # K/V and scales are loaded into registers while this one computes (the widening
-            # between load and dot keeps Triton from pipelining the loads itself).
+            # applied to the product: p * scale stays in fp16 range). The widening between load
+            # and dot keeps Triton from pipelining these loads (~2 TB/s on an H200; register
+            # double-buffering of the next tile measured slower, docs/benchmarks.md).
             if CVT_F16:
                 qd = q.to(tl.float16)  # exact for bf16 values in fp16's range (qk-normed)
             else:
                 qd = q
-            if PREFETCH:  # the first tile
-                tok = tile_lo * BLOCK_N + offs_n
-                tok_mask = tok < tl.minimum(ctx, tile_hi * BLOCK_N)
+            for tile in range(tile_lo, tile_hi):
+                tok = tile * BLOCK_N + offs_n
+                tok_mask = tok < ctx
                 page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
                 slot = tok % PAGE_SIZE
                 s_off = page * stride_sb + slot * stride_st
@@ -252,50 +251,20 @@ if HAS_TRITON:
                              mask=tok_mask[:, None], other=0.0)
                 v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
                              mask=tok_mask[:, None], other=0.0)
-                ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
-                vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
-            for tile in range(tile_lo, tile_hi):
-                if not PREFETCH:
-                    tok = tile * BLOCK_N + offs_n
-                    tok_mask = tok < ctx
-                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
-                    slot = tok % PAGE_SIZE
-                    s_off = page * stride_sb + slot * stride_st
-                    k8 = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                                 mask=tok_mask[:, None], other=0.0)
-                    v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                                 mask=tok_mask[:, None], other=0.0)
-                    ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
-                    vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
-                cur_mask = tok_mask
-                k_cur = k8
-                v_cur = v8
-                ks_cur = ksc
-                vs_cur = vsc
-                if PREFETCH:
-                    tok = (tile + 1) * BLOCK_N + offs_n
-                    tok_mask = tok < tl.minimum(ctx, tile_hi * BLOCK_N)
-                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
-                    slot = tok % PAGE_SIZE
-                    s_off = page * stride_sb + slot * stride_st
-                    k8 = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                                 mask=tok_mask[:, None], other=0.0)
-                    v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                                 mask=tok_mask[:, None], other=0.0)
-                    ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
-                    vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
-                k = k_cur.to(qd.dtype)
+                ks_cur = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
+                vs_cur = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
+                k = k8.to(qd.dtype)
                 if UPCAST_DOT:
                     s = tl.dot(qd.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
                 else:
                     s = tl.dot(qd, tl.trans(k), input_precision=DOT_PRECISION)
                 s = s * ks_cur[None, :] * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-                s = tl.where(cur_mask[None, :], s, float("-inf"))
+                s = tl.where(tok_mask[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 alpha = tl.exp2(m_i - m_new)
                 p = tl.exp2(s - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                v = v_cur.to(qd.dtype)
+                v = v8.to(qd.dtype)
                 vs_max = tl.maximum(tl.max(vs_cur, 0), 1e-30)
                 pw = p * (vs_cur / vs_max)[None, :]
                 if UPCAST_DOT:
@@ -443,12 +412,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 
 
 # Launch options of the kernel on an FP8 cache (keys of paged_decode_attention_triton plus
-# ``cvt``: "f16" widens e4m3 to fp16 for the products (one cvt per two values; q is widened from
-# bf16 exactly), "q" to the query's dtype; ``prefetch``: register double buffering of the next
-# tile; ``split_mult``: multiplies the heuristic split count). SHOAL_ATTN_FP8_CONFIG="key=value,
-# ..." overrides them (``shoal.bench.kernels_attention --fp8-sweep`` measures the choices).
-FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "f16", "prefetch": True,
-                 "split_mult": 1}
+# ``cvt``: "f16" widens e4m3 to fp16 for the products (q is widened from bf16 exactly), "q" to
+# the query's dtype; ``split_mult`` multiplies the heuristic split count). The best of
+# ``shoal.bench.kernels_attention --fp8-sweep`` on an H200 (2026-12-01, at B 16-128 x 1k-4k);
+# SHOAL_ATTN_FP8_CONFIG="key=value,..." overrides them.
+FP8_KV_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "cvt": "f16", "split_mult": 1}
 
 
 def fp8_kv_config() -> dict:
@@ -460,8 +428,7 @@ def fp8_kv_config() -> dict:
         key = key.strip()
         if key not in cfg:
             raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: unknown key {key!r} (keys: {', '.join(cfg)})")
-        cfg[key] = value.strip() if key == "cvt" else (value.strip().lower() in ("1", "true", "yes", "on")
-                                                       if key == "prefetch" else int(value))
+        cfg[key] = value.strip() if key == "cvt" else int(value)
     return cfg
 
 
@@ -481,7 +448,6 @@ def paged_decode_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     cvt: Optional[str] = None,
-    prefetch: Optional[bool] = None,
 ):
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
@@ -489,7 +455,7 @@ def paged_decode_attention_triton(
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
     ``v_scale``: the scales of an FP8 cache (see the module docstring); its launch options
-    default to :func:`fp8_kv_config` (``cvt``, ``prefetch``: see ``FP8_KV_CONFIG``).
+    default to :func:`fp8_kv_config` (``cvt``: see ``FP8_KV_CONFIG``).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
@@ -518,7 +484,6 @@ def paged_decode_attention_triton(
         num_warps = fc["num_warps"] if num_warps is None else num_warps
         num_stages = fc["num_stages"] if num_stages is None else num_stages
         cvt = fc["cvt"] if cvt is None else cvt
-        prefetch = fc["prefetch"] if prefetch is None else prefetch
         split_mult = fc["split_mult"]
         if cvt not in ("f16", "q"):
             raise ValueError(f"cvt must be 'f16' or 'q', got {cvt!r}")
@@ -597,7 +562,6 @@ def paged_decode_attention_triton(
         UPCAST_DOT=bool(interpret),
         KV_FP8=kv_fp8,
         CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
-        PREFETCH=kv_fp8 and bool(prefetch),
         num_warps=num_warps,
         num_stages=num_stages,
     )
