@@ -251,60 +251,22 @@ if HAS_TRITON:
                              mask=tok_mask[:, None], other=0.0)
                 v8 = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
                              mask=tok_mask[:, None], other=0.0)
-                ks_cur = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
-                vs_cur = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
-                k = k8.to(qd.dtype)
-                if UPCAST_DOT:
-                    s = tl.dot(qd.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(qd, tl.trans(k), input_precision=DOT_PRECISION)
-                s = s * ks_cur[None, :] * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-                s = tl.where(tok_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = v8.to(qd.dtype)
-                vs_max = tl.maximum(tl.max(vs_cur, 0), 1e-30)
-                pw = p * (vs_cur / vs_max)[None, :]
-                if UPCAST_DOT:
-                    pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
-                acc = acc * alpha[:, None] + pv * vs_max
-                m_i = m_new
+                ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
+                vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
+                m_i, l_i, acc = _attend_tile(qd, k8, v8, ksc, vsc, tok_mask[None, :], m_i, l_i, acc, qk_scale,
+                                             True, UPCAST_DOT, DOT_PRECISION)
         else:
             for tile in range(tile_lo, tile_hi):
                 tok = tile * BLOCK_N + offs_n
                 tok_mask = tok < ctx
                 page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
                 slot = tok % PAGE_SIZE
-                k = tl.load(
-                    k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                    mask=tok_mask[:, None],
-                    other=0.0,
-                )
-                if UPCAST_DOT:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-                s = s * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
-                s = tl.where(tok_mask[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                    mask=tok_mask[:, None],
-                    other=0.0,
-                )
-                if UPCAST_DOT:
-                    pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
+                k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                            mask=tok_mask[:, None], other=0.0)
+                v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                            mask=tok_mask[:, None], other=0.0)
+                m_i, l_i, acc = _attend_tile(q, k, v, k, v, tok_mask[None, :], m_i, l_i, acc, qk_scale,
+                                             False, UPCAST_DOT, DOT_PRECISION)
 
         has = l_i > 0.0
         l_safe = tl.where(has, l_i, 1.0)
@@ -365,6 +327,52 @@ def triton_interpreting() -> bool:
     value of the variable -- decides whether kernels can run in the interpreter.
     """
     return HAS_TRITON and type(tl.sum).__name__ == "InterpretedFunction"
+
+
+if HAS_TRITON:
+
+    def _mma_impl(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """a @ b with fp32 accumulation. Triton's interpreter multiplies bf16 dot operands as
+        raw uint16 bit patterns (seen with triton 3.9), so interpreted runs (UPCAST_DOT) do the
+        products in fp32 on the operands as stored, like the compiled kernel."""
+        if UPCAST_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+    def _attend_tile_impl(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale,
+                          KV_FP8: tl.constexpr, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """One key tile of flash attention (online softmax in log2 units); returns (m, l, acc).
+
+        ``q`` [R, D] (the dot dtype), ``k`` / ``v`` [N, D] tiles as loaded, ``visible`` [R, N]
+        (or broadcastable). KV_FP8: ``k`` / ``v`` are e4m3, widened exactly to q's dtype; the
+        key scales ``k_scale`` [N] multiply the scores, the value scales ``v_scale`` [N] the
+        probabilities, normalised by the tile's largest value scale (applied to the product) so
+        that ``p * scale`` stays in fp16's range."""
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = _mma(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)
+        if KV_FP8:
+            s = s * k_scale[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_FP8:
+            vs_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+            pv = _mma((p * (v_scale / vs_max)[None, :]).to(v.dtype), v, UPCAST_DOT, DOT_PRECISION) * vs_max
+        else:
+            pv = _mma(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    # device helpers the kernels call by name, wrapped in Triton's mode (fixed at its import)
+    if triton_interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as _Wrap
+    else:
+        from triton.runtime.jit import JITFunction as _Wrap
+    _mma = _Wrap(_mma_impl)
+    _attend_tile = _Wrap(_attend_tile_impl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -556,10 +564,7 @@ def paged_decode_attention_triton(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision,
-        # Triton's interpreter multiplies bf16 operands of tl.dot as raw uint16 bit
-        # patterns (seen with triton 3.9), so interpreted runs do the products in fp32
-        # after rounding the operands to the storage dtype, like the compiled kernel.
-        UPCAST_DOT=bool(interpret),
+        UPCAST_DOT=bool(interpret),  # see _mma_impl
         KV_FP8=kv_fp8,
         CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
         num_warps=num_warps,

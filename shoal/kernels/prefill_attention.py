@@ -58,6 +58,8 @@ if HAS_TRITON:
     import triton  # noqa: F401
     import triton.language as tl
 
+    from .paged_attention import _attend_tile  # device helper the kernel calls by name
+
 __all__ = [
     "kernel_supported",
     "max_tiles",
@@ -273,31 +275,15 @@ if HAS_TRITON:
             page = tl.load(bt_row + key // PAGE_SIZE).to(tl.int64)
             slot = key % PAGE_SIZE
             k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :])
-            if KV_FP8:
-                k = k.to(q.dtype)  # exact widening of the e4m3 values
-            if UPCAST_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :])
             if KV_FP8:
                 s_off = page * stride_sb + slot * stride_st
-                s = s * tl.load(ks_head + s_off)[None, :]
-            s = s * qk_scale  # log2 units
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :])
-            pw = p
-            if KV_FP8:
-                v = v.to(q.dtype)
-                pw = p * tl.load(vs_head + s_off)[None, :]
-            if UPCAST_DOT:
-                pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                m_i, l_i, acc = _attend_tile(q, k, v, tl.load(ks_head + s_off), tl.load(vs_head + s_off),
+                                             key[None, :] >= 0, m_i, l_i, acc, qk_scale,
+                                             True, UPCAST_DOT, DOT_PRECISION)
             else:
-                pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                m_i, l_i, acc = _attend_tile(q, k, v, k, v, key[None, :] >= 0, m_i, l_i, acc, qk_scale,
+                                             False, UPCAST_DOT, DOT_PRECISION)
 
         # the diagonal: causal mask (every row sees key 0, so no row is ever fully masked)
         for kt in range(n_full, n_all):
@@ -305,42 +291,19 @@ if HAS_TRITON:
             key_ok = key < kv_hi
             page = tl.load(bt_row + key // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
             slot = key % PAGE_SIZE
-            k = tl.load(
-                k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                mask=key_ok[:, None],
-                other=0.0,
-            )
-            if KV_FP8:
-                k = k.to(q.dtype)
-            if UPCAST_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            visible = (key[None, :] <= qpos[:, None]) & key_ok[None, :]
             if KV_FP8:
                 s_off = page * stride_sb + slot * stride_st
-                s = s * tl.load(ks_head + s_off, mask=key_ok, other=0.0)[None, :]
-            s = s * qk_scale
-            visible = (key[None, :] <= qpos[:, None]) & key_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                mask=key_ok[:, None],
-                other=0.0,
-            )
-            pw = p
-            if KV_FP8:
-                v = v.to(q.dtype)
-                pw = p * tl.load(vs_head + s_off, mask=key_ok, other=0.0)[None, :]
-            if UPCAST_DOT:
-                pv = tl.dot(pw.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+                m_i, l_i, acc = _attend_tile(q, k, v, tl.load(ks_head + s_off, mask=key_ok, other=0.0),
+                                             tl.load(vs_head + s_off, mask=key_ok, other=0.0), visible,
+                                             m_i, l_i, acc, qk_scale, True, UPCAST_DOT, DOT_PRECISION)
             else:
-                pv = tl.dot(pw.to(v.dtype), v, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+                m_i, l_i, acc = _attend_tile(q, k, v, k, v, visible, m_i, l_i, acc, qk_scale,
+                                             False, UPCAST_DOT, DOT_PRECISION)
 
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)  # padding rows: no keys, acc 0 -> output 0
         out = acc / l_safe[:, None]
@@ -466,9 +429,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         SEG_PAD=max(2, _next_pow2(S)),
         HAS_ROWS=rows is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # the interpreter multiplies bf16 dot operands as raw bits (see paged_attention.py):
-        # interpreted runs do the products in fp32 on operands rounded to the storage dtype
-        UPCAST_DOT=bool(interpret),
+        UPCAST_DOT=bool(interpret),  # see paged_attention._mma_impl
         KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
