@@ -662,12 +662,15 @@ def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, 
 # ---------------------------------------------------------------------------- the command
 
 def cmd_batch(args: argparse.Namespace) -> int:
+    from .quant.kv import kv_cache_dtype_arg
+
     try:
         summary = run_batch(args.requests, args.out, args.checkpoint, device=args.device,
                             dtype=args.dtype, max_running=args.max_running,
                             max_new_tokens=args.max_new_tokens, chunk_length=args.chunk_length,
                             audio=not args.no_audio, quantization=args.quantization,
-                            codec_dtype=args.codec_dtype, kv_cache_dtype=args.kv_cache_dtype)
+                            codec_dtype=args.codec_dtype,
+                            kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype))
     except KeyboardInterrupt:  # before generation started (loading, encoding references)
         print("\nshoal batch: interrupted before generation started; no outputs were written",
               file=sys.stderr)

@@ -97,15 +97,12 @@ def _case_decode(dt: torch.dtype, splits: int, dev: str = "cpu") -> dict:
     bt = torch.randperm(nb, generator=g)[: B * 6].reshape(B, 6).int().to(dev)
     lens = torch.tensor([1, 17, 64, 96], dtype=torch.int32, device=dev)
     ref = paged_decode_attention_ref(q, k8, v8, bt, lens, D ** -0.5, k_scale=ks, v_scale=vs)
+    # 32-token tiles: the longer contexts span several tiles per split (per-tile value-scale
+    # normalisation, online-softmax rescaling)
     out = paged_decode_attention_triton(q, k8, v8, bt, lens, D ** -0.5, k_scale=ks, v_scale=vs,
-                                        num_splits=splits, cvt="q" if splits == 3 else "f16")
-    # the reference on the dequantized cache in the query's dtype's precision
-    kd, vd = dequantize_kv(k8, ks), dequantize_kv(v8, vs)
-    ref32 = paged_decode_attention_ref(q.float(), kd, vd, bt, lens, D ** -0.5)
+                                        num_splits=splits, block_n=32, cvt="q" if splits == 3 else "f16")
     tol = 1e-4 if dt == torch.float32 else 2e-2
-    return {"checks": {"err": (_excess(out, ref, tol), tol),
-                       "ref_vs_dequant": (_excess(ref, ref32, tol), tol)},
-            "flags": {}}
+    return {"checks": {"err": (_excess(out, ref, tol), tol)}, "flags": {}}
 
 
 def _case_prefill(dt: torch.dtype, dev: str = "cpu") -> dict:
@@ -167,6 +164,35 @@ def test_quantize_kv_rule_and_error():
     assert torch.equal(d[0, 0], torch.zeros(128))
     rel = ((d - x.float()).norm(dim=-1) / x.float().norm(dim=-1).clamp_min(1e-30))[1:]
     assert 0.005 < rel.max() < 0.06  # e4m3: 3 mantissa bits
+
+
+def test_write_kv_rejects_mismatched_cache_and_scales():
+    from shoal.kernels.fused import write_kv
+
+    k = torch.randn(3, 2, 64)
+    slots = torch.tensor([0, 5, 9])
+    k8 = torch.zeros(2, 16, 2, 64, dtype=FP8_KV_DTYPE)
+    sc = torch.zeros(2, 16, 2)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        write_kv(k8, k8.clone(), slots, k, k)  # an FP8 cache without scales
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        write_kv(torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64), slots, k, k, sc, sc)
+    write_kv(k8, k8.clone(), slots, k, k, sc, sc.clone())
+    assert (sc.view(-1, 2)[slots] > 0).all()
+
+
+def test_kv_cache_dtype_env_is_read_by_the_clis_only(monkeypatch, s2):
+    from shoal.engine.engine import Engine, EngineConfig
+    from shoal.quant.kv import kv_cache_dtype_arg
+
+    monkeypatch.setenv("SHOAL_KV_CACHE_DTYPE", "fp8")
+    assert kv_cache_dtype_arg(None) == "fp8" and kv_cache_dtype_arg("auto") == "auto"
+    model, tok = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=1, num_blocks=8))
+    assert eng.kv_cache_dtype is None and eng.runner.kv.data.dtype == model.dtype
+    monkeypatch.setenv("SHOAL_KV_CACHE_DTYPE", "fp4")
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        kv_cache_dtype_arg(None)
 
 
 def test_parse_kv_cache_dtype():

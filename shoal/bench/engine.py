@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="slow KV cache storage (EngineConfig.kv_cache_dtype; default: env "
                         "SHOAL_KV_CACHE_DTYPE, else auto = the model's dtype)")
     args = p.parse_args(argv)
+    from ..quant.kv import kv_cache_dtype_arg
+
     dev = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model ready in {time.perf_counter() - t:.1f} s", file=sys.stderr)
     engine = Engine(model, S2_IM_END, codec=codec, config=EngineConfig(
         max_running=args.max_running, num_blocks=None if dev.type == "cuda" else 2048, cuda_graphs=not args.no_graphs, max_seq_len=4096,
-        prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms, kv_cache_dtype=args.kv_cache_dtype,
+        prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms,
+        kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
         audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
     t = time.perf_counter()
     engine.warmup()

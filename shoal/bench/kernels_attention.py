@@ -362,6 +362,8 @@ def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128
             continue
         score.append(sum(t / min(x for x in times[ci] if x is not None) for ci, t in enumerate(col)))
     jbest = min(range(len(configs)), key=lambda j: score[j])
+    if score[jbest] == float("inf"):
+        raise RuntimeError("no FP8-cache launch config was valid in every cell (see the cells' errors)")
     out["best"] = dict(configs[jbest], score=round(score[jbest], 3))
     out["env"] = ",".join(f"{k}={v}" for k, v in configs[jbest].items())
     _log(f"fp8 sweep best overall: {out['best']}  SHOAL_ATTN_FP8_CONFIG={out['env']}")

@@ -75,9 +75,12 @@ class PagedKVCache:
 
 
 class PagedDecodeBackend:
-    def __init__(self, cache: PagedKVCache, n_heads: int, head_dim: int) -> None:
+    def __init__(self, cache: PagedKVCache, n_heads: int, head_dim: int, qk_norm: bool = True) -> None:
         self.cache = cache
         self.scale = head_dim ** -0.5
+        # an FP8 cache's kernel may widen to fp16 only for qk-normed queries (bounded, far inside
+        # fp16's range); otherwise it widens to the query's dtype
+        self.fp8_cvt = None if qk_norm else "q"
         self.slots: Tensor | None = None
         self.block_tables: Tensor | None = None
         self.context_lens: Tensor | None = None
@@ -100,7 +103,8 @@ class PagedDecodeBackend:
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = paged_decode_attention(q[:, 0], self.cache.k(layer), self.cache.v(layer),
                                      self.block_tables, self.context_lens, self.scale,
-                                     k_scale=self.cache.k_scale(layer), v_scale=self.cache.v_scale(layer))
+                                     k_scale=self.cache.k_scale(layer), v_scale=self.cache.v_scale(layer),
+                                     cvt=self.fp8_cvt)
         return out[:, None]
 
 

@@ -73,7 +73,8 @@ class EngineConfig:
     prefill_graphs: bool | None = None
     # slow KV cache storage: "auto" (the model's dtype) or "fp8" (e4m3 with one fp32 scale per
     # token and KV head, shoal.quant.kv: half the bytes the decode attention reads, twice the
-    # tokens per GiB); default: env SHOAL_KV_CACHE_DTYPE, else "auto"
+    # tokens per GiB; not faster on an H200, docs/benchmarks.md); None = "auto". The CLIs take
+    # --kv-cache-dtype or env SHOAL_KV_CACHE_DTYPE (shoal.quant.kv.kv_cache_dtype_arg)
     kv_cache_dtype: str | None = None
 
 
@@ -134,8 +135,7 @@ class Engine:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
                 streamer.warmup()
-        self.kv_cache_dtype = parse_kv_cache_dtype(
-            cfg.kv_cache_dtype if cfg.kv_cache_dtype is not None else os.environ.get("SHOAL_KV_CACHE_DTYPE", "auto"))
+        self.kv_cache_dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(

@@ -158,7 +158,7 @@ class ModelRunner:
         self.sampling = BatchSampling.empty(S, dev)
         self.slot_ids = torch.full((cfg.max_slots,), self.scratch_slot, dtype=torch.long, device=dev)
         self.out_cols = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, device=dev)
-        self.decode_backend = PagedDecodeBackend(self.kv, s.n_head, s.head_dim)
+        self.decode_backend = PagedDecodeBackend(self.kv, s.n_head, s.head_dim, qk_norm=s.qk_norm)
         self.prefill_backend = PagedPrefillBackend(self.kv, s.n_head, s.n_local_heads, s.head_dim)
         # "paged": one varlen kernel per layer (graph-captured on CUDA); "segmented": the
         # previous per-segment SDPA backend (comparisons, shoal.bench.kernels_prefill)

@@ -189,6 +189,9 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tens
     the e4m3 values and per-head scales of :func:`shoal.quant.kv.quantize_kv`."""
     H_kv, D = k.shape[-2], k.shape[-1]
     kc, vc = _flat_cache(k_cache, H_kv, D), _flat_cache(v_cache, H_kv, D)
+    fp8 = kc.dtype == torch.float8_e4m3fn
+    if fp8 != (k_scale is not None and v_scale is not None) or (vc.dtype == torch.float8_e4m3fn) != fp8:
+        raise ValueError("an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, and only it takes them")
     if k_scale is None:
         kc.index_copy_(0, slots, k.to(kc.dtype))
         vc.index_copy_(0, slots, v.to(vc.dtype))

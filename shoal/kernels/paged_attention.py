@@ -428,16 +428,22 @@ FP8_KV_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 2, "cvt": "f16", 
 
 
 def fp8_kv_config() -> dict:
+    """``FP8_KV_CONFIG`` with the ``SHOAL_ATTN_FP8_CONFIG`` overrides (parsed once per value)."""
     import os
 
+    return dict(_fp8_kv_config(os.environ.get("SHOAL_ATTN_FP8_CONFIG", "")))
+
+
+@functools.lru_cache(maxsize=8)
+def _fp8_kv_config(env: str) -> tuple:
     cfg = dict(FP8_KV_CONFIG)
-    for item in filter(None, os.environ.get("SHOAL_ATTN_FP8_CONFIG", "").split(",")):
+    for item in filter(None, env.split(",")):
         key, _, value = item.partition("=")
         key = key.strip()
         if key not in cfg:
             raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: unknown key {key!r} (keys: {', '.join(cfg)})")
         cfg[key] = value.strip() if key == "cvt" else int(value)
-    return cfg
+    return tuple(cfg.items())
 
 
 def paged_decode_attention_triton(
@@ -587,13 +593,14 @@ def paged_decode_attention_triton(
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None,
-                           k_scale=None, v_scale=None):
+                           k_scale=None, v_scale=None, cvt=None):
     """Paged decode attention: the Triton kernel on CUDA tensors (or on any tensors when
     Triton runs in its interpreter, ``TRITON_INTERPRET=1``), else the PyTorch reference.
-    ``k_scale`` / ``v_scale``: the scales of an FP8 KV cache."""
+    ``k_scale`` / ``v_scale``: the scales of an FP8 KV cache; ``cvt``: its widening dtype
+    (``FP8_KV_CONFIG``; "q" for queries that may leave fp16's range)."""
     if HAS_TRITON and (q.is_cuda or triton_interpreting()):
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, out=out,
-                                             k_scale=k_scale, v_scale=v_scale)
+                                             k_scale=k_scale, v_scale=v_scale, cvt=cvt)
     res = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
                                      k_scale=k_scale, v_scale=v_scale)
     if out is None:

@@ -52,6 +52,7 @@ class GateResult:
     prompts: list[PromptResult]
     weights: str = "fp8"  # what the checked side quantizes: "fp8" weights, or "bf16" (KV only)
     kv_cache_dtype: str = "auto"  # "fp8": the checked side decodes with the FP8 KV cache
+    reference: str = "bf16"  # the unquantized reference's dtype
 
     @property
     def passed(self) -> bool:
@@ -59,7 +60,7 @@ class GateResult:
 
     def report(self) -> str:
         lines = [f"checked: {self.weights} weights" + (", FP8 KV cache" if self.kv_cache_dtype == "fp8" else "")
-                 + " against bf16"]
+                 + f" against the {self.reference} model"]
         for p in self.prompts:
             status = "PASS" if p.passed else "FAIL"
             lines.append(f"[{status}] {p.text!r}: {self.frames} frames, "
@@ -171,7 +172,8 @@ def correctness_gate(checkpoint: str, fp8_checkpoint: str | None = None, *, fram
         fp8, _ = load_fp8_dualar(fp8_checkpoint, device=device, dtype=dt, verify=verify)
     fp8.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype)
     res = run_gate(ref, fp8, tok, frames, max_layer_error=max_layer_error)
-    res.weights = "fp8" if fp8_checkpoint is not None or quantize_weights else "bf16"
+    res.weights = "fp8" if fp8_checkpoint is not None or quantize_weights else dtype
+    res.reference = dtype
     return res
 
 
@@ -181,6 +183,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     kv_fp8 = args.kv_cache_dtype == "fp8"
     if args.fp8_checkpoint is None and not args.quantize and not kv_fp8:
         raise ValueError("give --fp8-checkpoint DIR, --quantize or --kv-cache-dtype fp8")
+    if args.include_heads and not args.quantize:
+        raise ValueError("--include-heads applies to --quantize only")
     result = correctness_gate(args.checkpoint, args.fp8_checkpoint, frames=args.frames,
                               include_heads=args.include_heads, device=args.device,
                               dtype=args.dtype, verify=not args.skip_verify,

@@ -40,6 +40,17 @@ def parse_kv_cache_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     raise ValueError(f"unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
 
 
+def kv_cache_dtype_arg(value: str | None) -> str:
+    """A CLI's ``--kv-cache-dtype`` value: the flag, else env ``SHOAL_KV_CACHE_DTYPE``, else
+    "auto". Only command-line entry points read the environment; ``EngineConfig`` never does, so
+    tests and benchmark harnesses are not switched behind their back."""
+    import os
+
+    value = value if value is not None else os.environ.get("SHOAL_KV_CACHE_DTYPE", "auto")
+    parse_kv_cache_dtype(value)  # an unknown name fails here, with the accepted ones
+    return value
+
+
 def kv_cache_dtype_name(dtype: torch.dtype | None) -> str:
     return "fp8" if dtype == FP8_KV_DTYPE else "auto"
 

@@ -96,6 +96,7 @@ def _frames_cap(args: argparse.Namespace) -> int | None:
 
 
 def _load_checkpoint_service(args: argparse.Namespace):
+    from ..quant.kv import kv_cache_dtype_arg
     from .service import TTSService
 
     if args.checkpoint:
@@ -107,7 +108,8 @@ def _load_checkpoint_service(args: argparse.Namespace):
     return TTSService.load(checkpoint, device=args.device, dtype=args.dtype,
                            max_running=args.max_running, max_seq_len=args.max_seq_len,
                            quantization=args.quantization, codec_dtype=args.codec_dtype,
-                           prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype)
+                           prefill_chunk=args.prefill_chunk,
+                           kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype))
 
 
 def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
@@ -115,6 +117,7 @@ def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
     import time
 
     from ..bench.random_tts import parameter_count, random_tts
+    from ..quant.kv import kv_cache_dtype_arg
     from .service import TTSService
 
     t = time.perf_counter()
@@ -123,7 +126,8 @@ def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
     slow, codec = parameter_count(tts)
     service = TTSService.from_tts(tts, max_running=args.max_running, max_seq_len=args.max_seq_len,
                                   model_name=f"random {args.random_model}", random_weights=True,
-                                  prefill_chunk=args.prefill_chunk, kv_cache_dtype=args.kv_cache_dtype)
+                                  prefill_chunk=args.prefill_chunk,
+                                  kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype))
     cdt = service.codec_dtype or {}
     log.warning("RANDOM WEIGHTS, BENCHMARK ONLY: %s shapes (DualAR %.2fB parameters %s, codec %.0fM "
                 "parameters, decode %s / encode %s) built on %s in %.1f s; the audio is noise; "
