@@ -74,7 +74,21 @@ class PagedKVCache:
         return n + (0 if self.scales is None else self.scales.numel() * 4)
 
 
-class PagedDecodeBackend:
+class _PagedCacheTarget:
+    """What the fused qk-norm/RoPE/cache-write kernel needs from a paged backend."""
+
+    cache: PagedKVCache
+    slots: Tensor | None
+
+    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.cache.k(layer), self.cache.v(layer), self.slots
+
+    def kv_scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        """An FP8 cache's (k_scale, v_scale) of ``layer``; (None, None) for a model-dtype cache."""
+        return self.cache.k_scale(layer), self.cache.v_scale(layer)
+
+
+class PagedDecodeBackend(_PagedCacheTarget):
     def __init__(self, cache: PagedKVCache, n_heads: int, head_dim: int, qk_norm: bool = True) -> None:
         self.cache = cache
         self.scale = head_dim ** -0.5
@@ -92,14 +106,6 @@ class PagedDecodeBackend:
         self.cache.write(layer, self.slots, k[:, 0], v[:, 0])
         return self.attend_only(layer, q)
 
-    # fused path: the qk-norm/RoPE kernel writes K/V itself
-    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.cache.k(layer), self.cache.v(layer), self.slots
-
-    def kv_scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
-        """An FP8 cache's (k_scale, v_scale) of ``layer`` for the fused write; (None, None) else."""
-        return self.cache.k_scale(layer), self.cache.v_scale(layer)
-
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = paged_decode_attention(q[:, 0], self.cache.k(layer), self.cache.v(layer),
                                      self.block_tables, self.context_lens, self.scale,
@@ -108,7 +114,7 @@ class PagedDecodeBackend:
         return out[:, None]
 
 
-class PagedPrefillBackend:
+class PagedPrefillBackend(_PagedCacheTarget):
     """Prompt chunks of several sequences packed into one token axis (B = 1, N tokens).
 
     The projections and MLPs run once over all N tokens; the chunks' K/V are written into the
@@ -141,12 +147,6 @@ class PagedPrefillBackend:
         self.slots, self.cu_seqlens, self.start_pos = slots, cu_seqlens, start_pos
         self.block_tables, self.block_table_rows = block_tables, block_table_rows
         self.max_context, self.max_query = max_context, max_query
-
-    def fused_target(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        return self.cache.k(layer), self.cache.v(layer), self.slots
-
-    def kv_scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
-        return self.cache.k_scale(layer), self.cache.v_scale(layer)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.cache.write(layer, self.slots, k[0], v[0])

@@ -118,7 +118,9 @@ def gather_kv(cache, scale, pages):
     """fp32 K or V of the given pages (``cache[pages]``), dequantized for an FP8 cache."""
     if scale is None:
         return cache[pages].float()
-    return cache[pages].float() * scale[pages][..., None]
+    from ..quant.kv import dequantize_kv
+
+    return dequantize_kv(cache[pages], scale[pages])
 
 
 def paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, *,

@@ -59,31 +59,26 @@ class StaticKVCache:
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         assert self._positions is not None and self._rows is not None, "bind() before forward"
         rows = self._rows[:, None].expand_as(self._positions)
-        if self.fp8:
-            return self._attend_fp8(layer, rows, q, k, v)
-        self.k[layer][rows, self._positions] = k
-        self.v[layer][rows, self._positions] = v
-        keys = self.k[layer][self._rows, : self._kv_len].transpose(1, 2)  # [B,Hkv,kv,D]
-        vals = self.v[layer][self._rows, : self._kv_len].transpose(1, 2)
+        keys = self._write_read(layer, rows, self.k, self.k_scale, k)  # [B, Hkv, kv, D]
+        vals = self._write_read(layer, rows, self.v, self.v_scale, v)
         if self.group > 1:
             keys = keys.repeat_interleave(self.group, dim=1)
             vals = vals.repeat_interleave(self.group, dim=1)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, vals, attn_mask=self._mask)
-        return y.transpose(1, 2)
+        # an FP8 cache is read dequantized in fp32, so the queries go in fp32 too
+        qs = q.float() if self.fp8 else q
+        y = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, vals, attn_mask=self._mask)
+        return y.transpose(1, 2).to(q.dtype)
 
-    def _attend_fp8(self, layer: int, rows: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def _write_read(self, layer: int, rows: Tensor, cache: Tensor, scales: Tensor | None, x: Tensor) -> Tensor:
+        """Store x at (rows, positions) of ``cache[layer]``; return the live context of the
+        bound rows as [B, Hkv, kv, D] (dequantized to fp32 for an FP8 cache)."""
+        if scales is None:
+            cache[layer][rows, self._positions] = x
+            return cache[layer][self._rows, : self._kv_len].transpose(1, 2)
         from ..quant.kv import dequantize_kv, quantize_kv
 
-        read = []
-        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            xq, xs = quantize_kv(x)
-            cache[layer].view(torch.uint8)[rows, self._positions] = xq.view(torch.uint8)
-            scales[layer][rows, self._positions] = xs
-            read.append(dequantize_kv(cache[layer][self._rows, : self._kv_len],
-                                      scales[layer][self._rows, : self._kv_len]).transpose(1, 2))
-        keys, vals = read  # fp32 [B, Hkv, kv, D]
-        if self.group > 1:
-            keys = keys.repeat_interleave(self.group, dim=1)
-            vals = vals.repeat_interleave(self.group, dim=1)
-        y = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, vals, attn_mask=self._mask)
-        return y.transpose(1, 2).to(q.dtype)
+        xq, xs = quantize_kv(x)
+        cache[layer].view(torch.uint8)[rows, self._positions] = xq.view(torch.uint8)  # no fp8 index_put on CPU
+        scales[layer][rows, self._positions] = xs
+        return dequantize_kv(cache[layer][self._rows, : self._kv_len],
+                             scales[layer][self._rows, : self._kv_len]).transpose(1, 2)

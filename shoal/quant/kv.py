@@ -55,10 +55,6 @@ def kv_cache_dtype_name(dtype: torch.dtype | None) -> str:
     return "fp8" if dtype == FP8_KV_DTYPE else "auto"
 
 
-def is_fp8_kv(t: Tensor) -> bool:
-    return t.dtype == FP8_KV_DTYPE
-
-
 def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
     """``x [..., D]`` -> ``(x_q [..., D] e4m3, scale [...] fp32)``: one scale per vector of
     the last dimension (a token's head)."""
