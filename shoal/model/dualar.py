@@ -14,9 +14,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..kernels.dense import dense_linear
 from .config import ModelConfig
 from .layers import AttentionBackend, Block, RMSNorm, rope_table
 from .static_cache import StaticKVCache
+
+
+def _linear(mod: nn.Module, x: Tensor) -> Tensor:
+    """A projection of the fused path: a plain bf16 ``nn.Linear`` goes through
+    :func:`~shoal.kernels.dense.dense_linear` (the decode GEMM where it beats cuBLAS), any
+    other module (FP8Linear) through its own forward."""
+    if type(mod) is nn.Linear:
+        return dense_linear(x, mod.weight, mod.bias)
+    return mod(x)
 
 
 @dataclass
@@ -124,7 +134,7 @@ class DualAR(nn.Module):
     def allowed_logits(self, normed: Tensor) -> Tensor:
         if not hasattr(self, "allowed_head"):
             raise RuntimeError("call set_allowed_tokens() first")
-        return nn.functional.linear(normed, self.allowed_head)
+        return dense_linear(normed, self.allowed_head)
 
     # ----------------------------------------------------------------- fused path
     def enable_fused_kernels(self, enabled: bool = True) -> None:
@@ -177,7 +187,7 @@ class DualAR(nn.Module):
         for i, layer in enumerate(layers):
             att = layer.attention
             sh = att.shape
-            qkv = fp8_fused.project(att.wqkv, act) if fp8 else att.wqkv(normed)
+            qkv = fp8_fused.project(att.wqkv, act) if fp8 else _linear(att.wqkv, normed)
             k_cache, v_cache, slots = backend.fused_target(i)
             k_scale, v_scale = backend.kv_scales(i) if hasattr(backend, "kv_scales") else (None, None)
             q = qk_norm_rope_write(qkv, pos, rope,
@@ -192,7 +202,7 @@ class DualAR(nn.Module):
                 h, act = fp8_fused.norm_quant(a, h, layer.ffn_norm.weight, eps)
                 f = fp8_fused.mlp(ff, act, partials=i + 1 < len(layers))  # last layer: bf16 for h + f
             else:
-                a = att.wo(y.reshape(N, sh.q_size))
+                a = _linear(att.wo, y.reshape(N, sh.q_size))
                 normed, h = add_rmsnorm(a, h, layer.ffn_norm.weight, eps)
                 w13_fp8 = getattr(ff, "w13_fp8", None)
                 if w13_fp8 is not None and w13_fp8.use_kernels(normed):
@@ -201,7 +211,7 @@ class DualAR(nn.Module):
                 elif w13_fp8 is not None:
                     f = ff.w2(silu_mul(w13_fp8(normed)))
                 else:
-                    f = ff.w2(silu_mul(nn.functional.linear(normed, ff.w13)))
+                    f = _linear(ff.w2, silu_mul(dense_linear(normed, ff.w13)))
             if i + 1 < len(layers):
                 if fp8:
                     h, act = fp8_fused.norm_quant(f, h, layers[i + 1].attention_norm.weight, eps)
@@ -280,4 +290,4 @@ class DualAR(nn.Module):
                 return fp8_linear(normed, head.weight_q[:n], head.weight_scale[: n // 128]).to(head.dtype)
             return head(normed)[:, :n]
         w = head.weight if n_out is None else head.weight[:n_out]
-        return nn.functional.linear(normed, w)
+        return dense_linear(normed, w)

@@ -1,0 +1,206 @@
+"""Tune the bf16 decode GEMM (:mod:`shoal.kernels.dense`) for S2-Pro's shapes on this GPU.
+
+    python -m shoal.bench.tune_dense [--out DIR] [--ms 1,4,16,32,64,128] [--shapes ...] [--jobs N]
+
+For every S2-Pro GEMM (wqkv, wo, gate_up = w1|w3, down, the constrained semantic head, the
+fast head) and every M bucket: times bf16 cuBLAS (``F.linear``) and a grid of kernel configs
+(weight tile 64-256 rows x K tile 64-256, split-K 1-16 with the in-kernel reduce, warps,
+stages) on cold weights (CUDA-graph replay over rotating weight copies larger than L2, median
+of replays), checks every candidate against the fp32 reference, and writes ``DIR/dense_tuned.json``
+(``{"configs": {"N,K": {"M": config or null}}}``; null = cuBLAS was as fast: a config is kept
+only when it beats cuBLAS by ``--min-gain``) and ``DIR/tune_dense_cells.json`` (every timing).
+Copy the table to ``shoal/kernels/dense_tuned.json`` to make it the default, or point
+``SHOAL_DENSE_TUNED`` at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from shoal.kernels import dense
+
+from .kernels_fp8 import SHAPES, _log, time_graph
+from .tune_fp8 import _splits
+
+TUNE_SHAPES = ("gate_up", "wqkv", "wo", "down", "semantic_head", "fast_head")
+MS = (1, 4, 16, 32, 64, 128)
+SMEM = 200 * 1024  # H200: 227 KB of shared memory per block; leave room for the epilogue
+DEV = "cuda"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def candidates(M: int, N: int, K: int) -> list[dict]:
+    """The search space of one cell: the token tile is M rounded up to a power of two (16 to
+    128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64), the stage counts
+    that fit shared memory among 3, 4, 6, and the split-K counts that give 0.5-6 waves."""
+    bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
+    out = []
+    for bn, bk in ((64, 128), (64, 256), (128, 64), (128, 128), (256, 64)):
+        if bn == 256 and bm > 32:
+            continue
+        per_stage = (bn + bm) * bk * 2
+        nw = 8 if bn * bm >= 128 * 64 or bn == 256 else 4
+        tiles = _cdiv(N, bn) * _cdiv(M, bm)
+        for sk in _splits(_cdiv(K, bk), tiles, options=(1, 2, 4, 8, 16)):
+            for ns in (3, 4, 6):
+                if ns * per_stage <= SMEM:
+                    out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
+                                "num_stages": ns})
+    seen, uniq = set(), []
+    for c in out:
+        key = json.dumps(dense.finish_config(c, K), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq
+
+
+def short(c: dict | None) -> str:
+    if not c:
+        return "cuBLAS"
+    s = f"{c['BLOCK_N']}x{c['BLOCK_M']}x{c['BLOCK_K']}"
+    if int(c.get("SPLIT_K", 1)) > 1:
+        s += f" sk{c['SPLIT_K']}"
+    return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
+
+
+def _compile_jobs(jobs: list) -> int:
+    """Worker: run every (N, K, M, config) once (fills Triton's on-disk cache)."""
+    torch.cuda.init()
+    failed = 0
+    for N, K, M, cfg in jobs:
+        try:
+            dense.dense_gemm_triton(torch.zeros(M, K, device=DEV, dtype=torch.bfloat16),
+                                    torch.zeros(N, K, device=DEV, dtype=torch.bfloat16), config=cfg)
+        except Exception:  # noqa: BLE001 - the timing loop reports it
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+def precompile(plan: list, n_jobs: int) -> None:
+    import multiprocessing as mp
+
+    jobs, seen = [], set()
+    for _, N, K, M, cands in plan:
+        spec = ("M1" if M == 1 else "M16" if M % 16 == 0 else "Mx", N % 16 == 0, K % 16 == 0)
+        for c in cands:
+            f = dense.finish_config(c, K)
+            key = (spec, json.dumps(f, sort_keys=True, default=str), K % f["k_per_split"] == 0,
+                   N % f["BLOCK_N"] == 0)
+            if key not in seen:
+                seen.add(key)
+                jobs.append((N, K, M, c))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(n_jobs) as pool:
+        failed = sum(pool.map(_compile_jobs, [jobs[i::n_jobs] for i in range(n_jobs) if jobs[i::n_jobs]]))
+    _log(f"precompiled {len(jobs)} distinct launches in {n_jobs} processes in {time.time() - t0:.0f}s "
+         f"({failed} failed)")
+
+
+def tune_cell(N: int, K: int, M: int, weights: list, iters: int, cands: list[dict]) -> dict:
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    ref = dense.dense_gemm_ref(x, weights[0]).float()
+    outs = [torch.empty(M, N, dtype=torch.bfloat16, device=DEV) for _ in weights]
+    cublas = time_graph([lambda i=i: torch.mm(x, weights[i].t(), out=outs[i]) for i in range(len(weights))], iters)
+    results = []
+    for cfg in cands:
+        try:
+            y = dense.dense_gemm_triton(x, weights[0], config=cfg).float()
+            rel = ((y - ref).abs().max() / ref.abs().max()).item()
+            if rel > 2.0 ** -7:
+                results.append({"config": cfg, "error": f"rel {rel:.2e}"})
+                continue
+            us = time_graph([lambda i=i, c=cfg: dense.dense_gemm_triton(x, weights[i], out=outs[i], config=c)
+                             for i in range(len(weights))], iters)
+            results.append({"config": cfg, "us": us})
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
+            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+    ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+    best = ok[0] if ok else None
+    nbytes = 2 * (N * K + M * K + M * N)
+    return {"N": N, "K": K, "M": M, "cublas_us": cublas, "best": best, "top5": ok[:5], "n_tried": len(results),
+            "n_failed": sum(1 for r in results if "error" in r),
+            "best_tbps": nbytes / (best["us"] * 1e-6) / 1e12 if best else None,
+            "cublas_tbps": nbytes / (cublas * 1e-6) / 1e12,
+            "failures": [r for r in results if "error" in r][:5]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--ms", default=",".join(map(str, MS)))
+    ap.add_argument("--shapes", default=",".join(TUNE_SHAPES))
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                    help="processes that precompile the candidates (0: compile inline)")
+    ap.add_argument("--min-gain", type=float, default=0.03,
+                    help="keep a config only when it is this fraction faster than cuBLAS")
+    ap.add_argument("--max-candidates", type=int, default=0, help="debug: at most this many per cell")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        _log("tune_dense: CUDA not available; nothing to tune")
+        return 0
+    t0 = time.time()
+    ms = [int(m) for m in args.ms.split(",") if m]
+    names = [n for n in args.shapes.split(",") if n]
+    plan = []
+    for name in names:
+        N, K = SHAPES[name]
+        for M in ms:
+            cands = candidates(M, N, K)
+            plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
+    _log(f"tune_dense: {len(plan)} cells, {sum(len(p[4]) for p in plan)} candidates")
+    if args.jobs > 0:
+        try:
+            precompile(plan, args.jobs)
+        except Exception as e:  # noqa: BLE001 - compile inline instead
+            _log(f"precompile failed ({type(e).__name__}: {e}); compiling inline")
+    table: dict[str, dict] = {}
+    cells: list[dict] = []
+    for name in names:
+        N, K = SHAPES[name]
+        torch.manual_seed(0)
+        w = (torch.randn(N, K, device=DEV) * K ** -0.5).bfloat16()
+        weights = [w] + [w.clone() for _ in range(max(1, min(31, _cdiv(256 << 20, w.numel() * 2)) - 1))]
+        for _, _, _, M, cands in (p for p in plan if p[0] == name):
+            cell = tune_cell(N, K, M, weights, args.iters, cands)
+            cell["shape"] = name
+            cells.append(cell)
+            b = cell["best"]
+            win = b is not None and b["us"] < (1 - args.min_gain) * cell["cublas_us"]
+            table.setdefault(f"{N},{K}", {})[str(M)] = dict(b["config"]) if win else None
+            _log(f"{name:>13} M={M:<4} cuBLAS {cell['cublas_us']:7.2f} us ({cell['cublas_tbps']:.2f} TB/s) | "
+                 + (f"best {b['us']:7.2f} us ({cell['best_tbps']:.2f} TB/s, {cell['cublas_us'] / b['us']:.2f}x) "
+                    f"{short(b['config'])}" if b else "no working config")
+                 + f" [{cell['n_tried']} tried, {cell['n_failed']} failed, {time.time() - t0:.0f}s]")
+            if args.out:
+                _write(args.out, table, cells)
+        del weights, w
+        torch.cuda.empty_cache()
+    _log(f"tuned {len(cells)} cells in {time.time() - t0:.0f}s")
+    return 0
+
+
+def _write(out: str, table: dict, cells: list) -> None:
+    doc = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "torch": torch.__version__, "triton": getattr(dense.triton, "__version__", None),
+           "commit": os.environ.get("SHOAL_COMMIT"), "date": time.strftime("%Y-%m-%d"), "configs": table}
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "dense_tuned.json"), "w") as fh:
+        json.dump(doc, fh, indent=1)
+    with open(os.path.join(out, "tune_dense_cells.json"), "w") as fh:
+        json.dump(cells, fh, indent=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

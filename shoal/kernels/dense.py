@@ -1,0 +1,248 @@
+"""bf16 GEMM for decode shapes (Triton): ``y[M, N] = x[M, K] @ W[N, K]^T`` with small M.
+
+Why: a decode step streams every weight once per token position (S2-Pro: 15.3 GB per frame,
+36 slow + 4 x 10 fast layer passes), so at M = 1..128 a GEMM is a weight stream and its
+speed is the fraction of HBM bandwidth it reaches. cuBLAS reaches ~3.1 TB/s on the wide
+shapes (gate_up) but only 1.9-2.7 TB/s on the narrow ones (wo, down, wqkv; measured on the
+H200, ``benchmarks/results/2026-12-01-h200-kernels-fp8-9c9a376.json``), where its tiles leave
+too few bytes in flight. This kernel is the swap-AB structure of the FP8 decode GEMM
+(:mod:`shoal.kernels.fp8`) for bf16 weights: ``acc^T[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T``
+with 64-128 weight rows on the MMA's M axis (wgmma on sm_90) and the few tokens on its N axis,
+the K loop split over ``SPLIT_K`` programs so all SMs stream, and the split-K partials added
+by the last program of each tile to finish (per-tile arrival counters, split order from 0,
+one rounding to bf16: deterministic, no second launch; the epilogue of :mod:`shoal.kernels.fp8`).
+
+Numerics: fp32 accumulation of bf16 products, one round-to-nearest-even to bf16 at the end,
+as cuBLAS (which also splits K at these shapes). Results differ from cuBLAS only in the order
+of fp32 additions.
+
+Dispatch: :func:`dense_linear` runs the kernel when a tuned launch config exists for the
+GEMM's (N, K) and M bucket (``dense_tuned.json`` beside this file, written on an H200 by
+``python -m shoal.bench.tune_dense``, which keeps a config only where it beat cuBLAS on cold
+weights) and the tensors are CUDA bf16 on a GPU with the SM count it was tuned on; otherwise
+``F.linear``. Grids depend on shapes only and nothing syncs with the host, so it is CUDA-graph
+capturable (each config compiles at its first call, outside a capture: the engine's warm-up).
+``SHOAL_DENSE_GEMM=0`` turns the kernel off (every GEMM through cuBLAS);
+``SHOAL_DENSE_TUNED=PATH`` reads another table.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+
+__all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table"]
+
+MAX_M = 128  # larger M (prefill) always goes to cuBLAS
+TABLE_ENV = "SHOAL_DENSE_TUNED"
+ENABLE_ENV = "SHOAL_DENSE_GEMM"
+TUNED_SMS = 132  # the table was measured on a 132-SM H200
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
+    """The reference: fp32 products and sums, one rounding to ``x``'s dtype."""
+    return (x.float() @ w.float().t()).to(x.dtype)
+
+
+if HAS_TRITON:
+    from .fp8 import _gemm_epilogue
+
+    @triton.jit
+    def _dense_swap_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                           FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        """Grid (n tiles, m tiles, SPLIT_K). Program (n, m, s) accumulates ``W[n tile, ks] @
+        x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
+        (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
+        K is a multiple of ``k_per_split`` (no K masks); EVEN_N: N a multiple of BLOCK_N.
+        UPCAST_DOT (the interpreter, whose bf16 dot multiplies raw bit patterns): the products
+        in fp32 on the bf16 values, which is what the tensor core computes."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_kk = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        k_lo = pid_k * k_per_split
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_lo + offs_kk)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_kk)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_per_split, BLOCK_K):
+            if EVEN_K:
+                if EVEN_N:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+                a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = (k_lo + k0 + offs_kk) < K
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            if UPCAST_DOT:
+                acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(a), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
+                       offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
+                       pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
+
+
+# --------------------------------------------------------------------------------------
+# Launch configs
+# --------------------------------------------------------------------------------------
+
+_table_override: list = []
+
+
+def set_dense_table(path=None) -> None:
+    """Read the tuned table at ``path`` from now on (``None``: ``$SHOAL_DENSE_TUNED`` or the
+    packaged ``dense_tuned.json``); clears the config cache."""
+    _table_override[:] = [] if path is None else [str(path)]
+    _table.cache_clear()
+    dense_config.cache_clear()
+
+
+@functools.cache
+def _table() -> dict:
+    """``{"N,K": {"M": config}}``; a bucket M serves every batch size up to it."""
+    override = _table_override[0] if _table_override else os.environ.get(TABLE_ENV)
+    path = Path(override) if override else Path(__file__).with_name("dense_tuned.json")
+    if path.is_dir():
+        path = path / "dense_tuned.json"
+    try:
+        return json.loads(path.read_text()).get("configs", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def finish_config(cfg: dict, K: int) -> dict:
+    """Fill defaults and derive ``k_per_split`` (a multiple of BLOCK_K; no empty splits)."""
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    cfg.setdefault("BLOCK_M", 16)
+    cfg.setdefault("BLOCK_N", 64)
+    cfg.setdefault("BLOCK_K", 128)
+    cfg.setdefault("num_warps", 4)
+    cfg.setdefault("num_stages", 4)
+    bk = int(cfg["BLOCK_K"])
+    kblocks = _cdiv(K, bk)
+    split = max(1, min(int(cfg.get("SPLIT_K", 1)), kblocks))
+    per = _cdiv(kblocks, split)
+    cfg["k_per_split"] = per * bk
+    cfg["SPLIT_K"] = _cdiv(kblocks, per)
+    return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def dense_config(M: int, N: int, K: int) -> dict | None:
+    """The tuned config for this GEMM (the smallest bucket >= M of its (N, K) entry), or None
+    when there is none (cuBLAS is used)."""
+    if M < 1 or M > MAX_M:
+        return None
+    entry = _table().get(f"{N},{K}")
+    if not entry:
+        return None
+    for b in sorted(int(m) for m in entry):
+        if M <= b:
+            cfg = entry[str(b)]
+            return finish_config(cfg, K) if cfg else None
+    return None
+
+
+@functools.cache
+def _enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1") not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# --------------------------------------------------------------------------------------
+# Entry points
+# --------------------------------------------------------------------------------------
+
+
+def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
+    """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
+    contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
+    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages) overrides the table (tuning and
+    tests); without either, a plain default."""
+    from .fp8 import _out_buffer, _tile_counters
+
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"dense_gemm: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"dense_gemm: bf16 operands expected, got {x.dtype} and {w.dtype}")
+    if not HAS_TRITON:
+        raise RuntimeError("triton is not installed")
+    interpret = triton_interpreting()
+    if not x.is_cuda and not interpret:
+        raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 before triton is first imported")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    M, K = x.shape
+    N = w.shape[0]
+    out = _out_buffer(out, M, N, x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    cfg = finish_config(config if config is not None else (dense_config(M, N, K) or {}), K)
+    split = cfg["SPLIT_K"]
+    tiles_m, tiles_n = _cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"])
+    work = counters = None
+    if split > 1:
+        work = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, tiles_m * tiles_n)
+    even_k = K % cfg["k_per_split"] == 0
+    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    _dense_swap_kernel[(tiles_n, tiles_m, split)](
+        x, w, out, x if work is None else work, out if counters is None else counters, M, N, K, x.stride(0),
+        out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % cfg["BLOCK_N"] == 0,
+        FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret, **kw)
+    if split > 1 and counters is None:
+        from .fp8 import _launch_reduce
+
+        _launch_reduce(work, out, M, N, split)
+    return out
+
+
+def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
+    """True when :func:`dense_linear` would run the Triton kernel for these operands."""
+    if not (HAS_TRITON and x.is_cuda and _enabled()) or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False
+    if x.dim() != 2 or not w.is_contiguous():
+        return False
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return _sms(idx) == TUNED_SMS and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
+
+
+def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, bias)`` for any leading dims; the decode kernel where the tuned table
+    says it beats cuBLAS (see the module docstring), else ``F.linear``."""
+    if bias is None and x.dim() >= 2:
+        x2 = x.reshape(-1, x.shape[-1])
+        if use_dense_kernel(x2, w):
+            return dense_gemm_triton(x2, w).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, bias)

@@ -1,0 +1,183 @@
+"""bf16 decode GEMM (shoal.kernels.dense): the Triton kernel vs the fp32 reference under the
+interpreter (child process, see interpreter_worker.py) and on the GPU, the table dispatch, and
+the model's fused path using it.
+
+Numerics: the kernel sums fp32 products in another order than the reference (per BLOCK_K
+chunk, then split by split) and rounds once to bf16, so an output may differ by one bf16 ulp:
+``max|y - y_ref| <= 2^-7 * max|y_ref|``. With exactly representable operands (small integers,
+every partial sum exact) it equals the reference bit for bit, and the in-kernel split-K reduce
+equals the separate reduce kernel bit for bit.
+"""
+
+import os
+
+if __name__ == "__main__":  # interpreter worker: must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import json
+
+import pytest
+import torch
+from interpreter_worker import assert_case, report_cases, run_worker
+
+from shoal.kernels import dense
+
+CASES = {  # name -> (M, N, K, config)
+    "m1_nosplit": (1, 96, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}),
+    "m3_split3_fused": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}),
+    "m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),
+    "m33_bm64_bk128": (33, 64, 512, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}),
+}
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def _case(M, N, K, cfg):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
+    y = dense.dense_gemm_triton(x, w, config=cfg)
+    checks = {"rel_vs_ref": (_rel(y, dense.dense_gemm_ref(x, w)), 2.0 ** -7)}
+    # exactly representable operands: every order of fp32 additions gives the same sum
+    xi = torch.randint(-4, 5, (M, K), generator=g).bfloat16()
+    wi = torch.randint(-4, 5, (N, K), generator=g).bfloat16()
+    flags = {"exact_ints": torch.equal(dense.dense_gemm_triton(xi, wi, config=cfg), dense.dense_gemm_ref(xi, wi)),
+             "shape": tuple(y.shape) == (M, N) and y.dtype == torch.bfloat16}
+    # a strided row view of x (rows of a wider buffer) reads the same values
+    wide = torch.zeros(M, K + 64).bfloat16()
+    wide[:, :K] = x
+    flags["strided_rows"] = torch.equal(dense.dense_gemm_triton(wide[:, :K], w, config=cfg), y)
+    return {"checks": checks, "flags": flags}
+
+
+def _worker_main():
+    assert dense.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
+    report_cases(CASES, lambda name: _case(*CASES[name]))
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    if not dense.HAS_TRITON:
+        pytest.skip("triton not installed")
+    return run_worker(__file__)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_interpreter(interp_results, name):
+    assert_case(interp_results[name], need_any=True)
+
+
+# --------------------------------------------------------------------------------------
+# Configs and dispatch (no kernels run)
+# --------------------------------------------------------------------------------------
+
+
+def test_finish_config_splits_in_whole_blocks():
+    c = dense.finish_config({"BLOCK_K": 128, "SPLIT_K": 8}, 9728)  # 76 K blocks
+    assert c["k_per_split"] % 128 == 0 and c["SPLIT_K"] * c["k_per_split"] >= 9728
+    assert (c["SPLIT_K"] - 1) * c["k_per_split"] < 9728  # no empty split
+    assert dense.finish_config({"BLOCK_K": 64, "SPLIT_K": 99}, 256)["SPLIT_K"] == 4
+
+
+def test_table_buckets_and_override(tmp_path):
+    table = {"configs": {"64,256": {"4": {"BLOCK_M": 16, "SPLIT_K": 2}, "32": {"BLOCK_M": 32}, "128": None}}}
+    (tmp_path / "dense_tuned.json").write_text(json.dumps(table))
+    try:
+        dense.set_dense_table(tmp_path)
+        assert dense.dense_config(1, 64, 256)["SPLIT_K"] == 2
+        assert dense.dense_config(4, 64, 256)["BLOCK_M"] == 16
+        assert dense.dense_config(5, 64, 256)["BLOCK_M"] == 32
+        assert dense.dense_config(64, 64, 256) is None  # bucket 128 says cuBLAS
+        assert dense.dense_config(300, 64, 256) is None  # prefill: cuBLAS
+        assert dense.dense_config(1, 65, 256) is None  # no entry for this shape
+    finally:
+        dense.set_dense_table(None)
+
+
+def test_packaged_table_is_well_formed():
+    for key, entry in dense._table().items():
+        n, k = (int(v) for v in key.split(","))
+        for m, cfg in entry.items():
+            assert 1 <= int(m) <= dense.MAX_M
+            if cfg is not None:
+                c = dense.finish_config(cfg, k)
+                assert c["BLOCK_M"] >= min(16, int(m)) and c["BLOCK_N"] in (32, 64, 128, 256), (key, m, c)
+                assert c["BLOCK_K"] in (32, 64, 128, 256) and c["SPLIT_K"] >= 1
+
+
+def test_cpu_tensors_use_cublas_path():
+    x = torch.randn(2, 3, 64).bfloat16()
+    w = torch.randn(32, 64).bfloat16()
+    b = torch.randn(32).bfloat16()
+    assert not dense.use_dense_kernel(x.reshape(-1, 64), w)
+    assert torch.equal(dense.dense_linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(dense.dense_linear(x, w, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_rejects_bad_operands():
+    with pytest.raises(ValueError, match="bf16"):
+        dense.dense_gemm_triton(torch.randn(2, 64), torch.randn(8, 64))
+    with pytest.raises(ValueError, match="expected"):
+        dense.dense_gemm_triton(torch.randn(2, 64).bfloat16(), torch.randn(8, 32).bfloat16())
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or not dense.HAS_TRITON, reason="needs CUDA + triton")
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 5, 16, 48, 128])
+@pytest.mark.parametrize("N,K", [(19456, 2560), (2560, 9728), (4097, 2560), (200, 384)])
+def test_gpu_kernel_matches_reference(M, N, K):
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    ref = dense.dense_gemm_ref(x, w)
+    bm = max(16, min(128, 1 << (M - 1).bit_length()))
+    for cfg in ({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
+                {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 5}):
+        y = dense.dense_gemm_triton(x, w, config=cfg)
+        assert _rel(y, ref) <= 2.0 ** -7, cfg
+    assert _rel(dense.dense_linear(x, w), ref) <= 2.0 ** -7  # the table's choice (or cuBLAS)
+    torch.cuda.synchronize()
+    from shoal.kernels import fp8
+
+    counters = fp8._counters.get(("cuda", x.device.index))
+    assert counters is None or not bool(counters.any())  # every arrival counter back to 0
+
+
+@cuda
+def test_gpu_cuda_graph_replay_bit_exact():
+    M, N, K = 8, 2560, 9728
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    w = (torch.randn(N, K, device="cuda") * 0.01).bfloat16()
+    cfgs = [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
+            {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3}]
+
+    def step():
+        return [dense.dense_gemm_triton(x, w, config=c) for c in cfgs]
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        for s in static:
+            s.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        again = step()
+        for a, b in zip(static, again):
+            assert torch.equal(a, b)
+        assert _rel(static[0], dense.dense_gemm_ref(x, w)) <= 2.0 ** -7
+
+
+if __name__ == "__main__":
+    _worker_main()
