@@ -40,21 +40,27 @@ def _cdiv(a: int, b: int) -> int:
 
 def candidates(M: int, N: int, K: int) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
-    128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64), the stage counts
-    that fit shared memory among 3, 4, 6, and the split-K counts that give 0.5-6 waves."""
+    128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
+    warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
+    give 0.5-6 waves (0.3-6 for M >= 64)."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
-    for bn, bk in ((64, 128), (64, 256), (128, 64), (128, 128), (256, 64)):
-        if bn == 256 and bm > 32:
+    # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
+    # weight tiles (128-256 rows) keep that traffic below the weight stream's
+    tiles_nk = ((64, 128), (64, 256), (128, 64), (128, 128), (256, 64))
+    if bm >= 64:
+        tiles_nk = ((64, 128), (128, 64), (128, 128), (256, 64))
+    for bn, bk in tiles_nk:
+        if bn == 256 and bm > 64:
             continue
         per_stage = (bn + bm) * bk * 2
-        nw = 8 if bn * bm >= 128 * 64 or bn == 256 else 4
-        tiles = _cdiv(N, bn) * _cdiv(M, bm)
-        for sk in _splits(_cdiv(K, bk), tiles, options=(1, 2, 4, 8, 16)):
-            for ns in (3, 4, 6):
-                if ns * per_stage <= SMEM:
-                    out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
-                                "num_stages": ns})
+        for nw in ((4, 8) if bm >= 64 and bn >= 128 else (8,) if bn * bm >= 128 * 64 or bn == 256 else (4,)):
+            tiles = _cdiv(N, bn) * _cdiv(M, bm)
+            for sk in _splits(_cdiv(K, bk), tiles, options=(1, 2, 4, 8, 16), lo=0.3 if bm >= 64 else 0.5):
+                for ns in (3, 4, 6) if bm < 64 else (3, 4, 5):
+                    if ns * per_stage <= SMEM:
+                        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
+                                    "num_stages": ns})
     seen, uniq = set(), []
     for c in out:
         key = json.dumps(dense.finish_config(c, K), sort_keys=True)
