@@ -27,6 +27,8 @@ CASES = {  # name -> (M, N, K, config)
     "m3_split3_fused": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}),
     "m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),
     "m33_bm64_bk128": (33, 64, 512, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}),
+    "tma_m3_split3": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "TMA": True}),
+    "tma_m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True}),
 }
 
 
@@ -107,6 +109,20 @@ def test_packaged_table_is_well_formed():
                 assert c["BLOCK_K"] in (32, 64, 128, 256) and c["SPLIT_K"] >= 1
 
 
+def test_tuner_search_space():
+    from shoal.bench import tune_dense
+
+    for M in (1, 4, 16, 32, 64, 128):
+        for N, K in ((19456, 2560), (2560, 9728), (4097, 2560), (1024, 2560)):
+            cands = tune_dense.candidates(M, N, K)
+            assert cands and any(c.get("TMA") for c in cands) and any(not c.get("TMA") for c in cands)
+            for c in cands:
+                assert c["BLOCK_M"] >= min(M, 128) and c["BLOCK_M"] >= 16
+                assert c["num_stages"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
+            keys = [json.dumps(dense.finish_config(c, K), sort_keys=True) for c in cands]
+            assert len(keys) == len(set(keys))  # no launch timed twice
+
+
 def test_cpu_tensors_use_cublas_path():
     x = torch.randn(2, 3, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()
@@ -140,7 +156,9 @@ def test_gpu_kernel_matches_reference(M, N, K):
     ref = dense.dense_gemm_ref(x, w)
     bm = max(16, min(128, 1 << (M - 1).bit_length()))
     for cfg in ({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
-                {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 5}):
+                {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 5},
+                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "TMA": True},
+                {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True}):
         y = dense.dense_gemm_triton(x, w, config=cfg)
         assert _rel(y, ref) <= 2.0 ** -7, cfg
     assert _rel(dense.dense_linear(x, w), ref) <= 2.0 ** -7  # the table's choice (or cuBLAS)
@@ -157,7 +175,8 @@ def test_gpu_cuda_graph_replay_bit_exact():
     x = torch.randn(M, K, device="cuda").bfloat16()
     w = (torch.randn(N, K, device="cuda") * 0.01).bfloat16()
     cfgs = [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
-            {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3}]
+            {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
+            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "TMA": True}]
 
     def step():
         return [dense.dense_gemm_triton(x, w, config=c) for c in cfgs]

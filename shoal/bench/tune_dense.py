@@ -42,7 +42,7 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
-    give 0.5-6 waves (0.3-6 for M >= 64)."""
+    give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
@@ -61,6 +61,7 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
                     if ns * per_stage <= SMEM:
                         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                                     "num_stages": ns})
+    out += [{**c, "TMA": True} for c in out]  # the same launches with TMA operand loads
     seen, uniq = set(), []
     for c in out:
         key = json.dumps(dense.finish_config(c, K), sort_keys=True)
@@ -76,6 +77,8 @@ def short(c: dict | None) -> str:
     s = f"{c['BLOCK_N']}x{c['BLOCK_M']}x{c['BLOCK_K']}"
     if int(c.get("SPLIT_K", 1)) > 1:
         s += f" sk{c['SPLIT_K']}"
+    if c.get("TMA"):
+        s += " tma"
     return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
 
 

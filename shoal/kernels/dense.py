@@ -103,6 +103,32 @@ if HAS_TRITON:
                        offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
 
+    @triton.jit
+    def _dense_tma_kernel(x_desc, w_desc, y_ptr, part_ptr, cnt_ptr, M, N, stride_ym, k_per_split,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        """``_dense_swap_kernel`` with both operands read through tensor descriptors (TMA on
+        sm_90: one bulk copy per tile into shared memory, out-of-range rows and columns read as
+        zeros, so no masks); the same products, sums and epilogue."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        k_lo = pid_k * k_per_split
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_per_split, BLOCK_K):
+            w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
+            a = x_desc.load([pid_m * BLOCK_M, k_lo + k0])
+            if UPCAST_DOT:
+                acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(a), acc)
+        mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+        _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
+                       offs_m[None, :] * N + offs_n[:, None], mask, M * N, pid_k,
+                       pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
+
 
 # --------------------------------------------------------------------------------------
 # Launch configs
@@ -183,8 +209,10 @@ def _sms(index: int) -> int:
 def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
     contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
-    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages) overrides the table (tuning and
-    tests); without either, a plain default."""
+    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA) overrides the table (tuning and
+    tests); without either, a plain default. ``TMA``: read the operands through tensor
+    descriptors (``_dense_tma_kernel``; pointer loads when a base or row stride is not 16-byte
+    aligned)."""
     from .fp8 import _out_buffer, _tile_counters
 
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -216,16 +244,32 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         counters = _tile_counters(x.device, tiles_m * tiles_n)
     even_k = K % cfg["k_per_split"] == 0
     kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    _dense_swap_kernel[(tiles_n, tiles_m, split)](
-        x, w, out, x if work is None else work, out if counters is None else counters, M, N, K, x.stride(0),
-        out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k, EVEN_N=N % cfg["BLOCK_N"] == 0,
-        FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret, **kw)
+    grid = (tiles_n, tiles_m, split)
+    part = x if work is None else work
+    cnt = out if counters is None else counters
+    if cfg.get("TMA") and _tma_ok(x, w):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        _dense_tma_kernel[grid](x_desc, w_desc, out, part, cnt, M, N, out.stride(0), cfg["k_per_split"],
+                                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                                SPLIT_K=split, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret, **kw)
+    else:
+        _dense_swap_kernel[grid](
+            x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
+            EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret, **kw)
     if split > 1 and counters is None:
         from .fp8 import _launch_reduce
 
         _launch_reduce(work, out, M, N, split)
     return out
+
+
+def _tma_ok(x: Tensor, w: Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
 
 
 def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
