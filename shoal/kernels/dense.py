@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
 
 __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table"]
 
@@ -58,18 +58,20 @@ def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
 
 if HAS_TRITON:
     from .fp8 import _gemm_epilogue
+    from .paged_attention import pdl_enter
 
     @triton.jit
     def _dense_swap_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                           FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                           FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False):
         """Grid (n tiles, m tiles, SPLIT_K). Program (n, m, s) accumulates ``W[n tile, ks] @
         x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
         (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
         K is a multiple of ``k_per_split`` (no K masks); EVEN_N: N a multiple of BLOCK_N.
         UPCAST_DOT (the interpreter, whose bf16 dot multiplies raw bit patterns): the products
         in fp32 on the bf16 values, which is what the tensor core computes."""
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -106,10 +108,12 @@ if HAS_TRITON:
     @triton.jit
     def _dense_tma_kernel(x_desc, w_desc, y_ptr, part_ptr, cnt_ptr, M, N, stride_ym, k_per_split,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                          SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                          PDL: tl.constexpr = False):
         """``_dense_swap_kernel`` with both operands read through tensor descriptors (TMA on
         sm_90: one bulk copy per tile into shared memory, out-of-range rows and columns read as
         zeros, so no masks); the same products, sums and epilogue."""
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -243,7 +247,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         work = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
         counters = _tile_counters(x.device, tiles_m * tiles_n)
     even_k = K % cfg["k_per_split"] == 0
-    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
     grid = (tiles_n, tiles_m, split)
     part = x if work is None else work
     cnt = out if counters is None else counters

@@ -85,7 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
 
 __all__ = [
     "ACT_SCALE_LAYOUT",
@@ -359,6 +359,8 @@ def _check_gate_up(gu: Tensor) -> int:
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
+    from .paged_attention import pdl_enter
+
     @triton.jit
     def _round_bf16(x):
         """fp32 -> fp32 value representable in bf16, round to nearest even (NaN kept)."""
@@ -401,7 +403,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _quantize_act_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_xm, stride_qm,
-                             GROUPS: tl.constexpr):
+                             GROUPS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         m = tl.program_id(0)
         g0 = tl.program_id(1) * GROUPS
         offs_g = g0 + tl.arange(0, GROUPS)
@@ -427,9 +430,10 @@ if HAS_TRITON:
     @triton.jit
     def _silu_mul_quant_kernel(gu_ptr, q_ptr, s_ptr, I, KB, stride_gm, stride_qm, stride_gs,
                                GROUPS: tl.constexpr, ROUND_BF16: tl.constexpr, ACCURATE_EXP: tl.constexpr,
-                               SPLIT: tl.constexpr):
+                               SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         """SPLIT > 1: ``gu_ptr`` is the fp32 split-K partials of the w1|w3 GEMM (``stride_gs``
         apart), summed and rounded to bf16 on load (see ``_load_gemm_out``)."""
+        pdl_enter(PDL)
         m = tl.program_id(0)
         g0 = tl.program_id(1) * GROUPS
         offs_g = g0 + tl.arange(0, GROUPS)
@@ -477,13 +481,14 @@ if HAS_TRITON:
     def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KB, stride_xm,
                          stride_ym, kb_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                         QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+                         QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False):
         """KIND "tile": a (BLOCK_M tokens x BLOCK_N weight rows) output tile per program, grid
         (m tiles, n tiles, SPLIT_K). QUANT_A: ``x_ptr`` is the bf16/fp32 activation, quantized
         per 1x128 group in the prologue of every K block (the same arithmetic as
         ``_quantize_act_kernel``, so the same bytes and scales); ``xs_ptr`` is unused. Output
         (see ``_gemm_epilogue``): bf16 ``y_ptr`` (row stride ``stride_ym``) and/or the fp32
         partials ``part_ptr [SPLIT_K, M, N]``."""
+        pdl_enter(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -518,12 +523,13 @@ if HAS_TRITON:
     def _fp8_gemm_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KB, stride_xm,
                               stride_ym, kb_per_split,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                              QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr):
+                              QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False):
         """KIND "swap" (decode, small M): the transposed tile ``acc[BLOCK_N, BLOCK_M] =
         W_tile @ x_tile^T`` so the weight rows (64-256) sit on the MMA's M axis (wgmma on
         sm_90) and the few tokens on its N axis; grid (n tiles, m tiles, SPLIT_K). The same
         arithmetic as ``_fp8_gemm_kernel`` element for element: per 128-wide K block the raw
         fp8 dot in fp32, then ``acc += (dot * sa[m]) * sw[n // 128, kb]``; same epilogue."""
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -555,7 +561,9 @@ if HAS_TRITON:
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
 
     @triton.jit
-    def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M * N
@@ -687,8 +695,11 @@ def _gemm_config(M: int, N: int, K: int, sms: int) -> dict:
     return _finish_config(cfg or _heuristic_config(M, N, K, sms), M, K)
 
 
-def _launch_kwargs(cfg: dict, interpret: bool) -> dict:
-    return {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+def _launch_kwargs(cfg: dict, interpret: bool, t: Tensor | None = None) -> dict:
+    """num_warps / num_stages (compiled only), plus a PDL launch (``pdl_options``) for ``t``."""
+    if interpret:
+        return {}
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **(pdl_options(t) if t is not None else {})}
 
 
 def _require_triton(t: Tensor) -> bool:
@@ -761,7 +772,7 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
                  x if work is None else work, W_s if counters is None else counters, M, N, K, KB, x.stride(0),
                  N if out is None else out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
                  BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, QUANT_A=x_s is None, FUSED_REDUCE=counters is not None,
-                 **_launch_kwargs(cfg, interpret))
+                 **_launch_kwargs(cfg, interpret, x))
     if split == 1:
         return out
     if partials:
@@ -773,7 +784,8 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
 
 def _launch_reduce(ws: Tensor, out: Tensor, M: int, N: int, split: int) -> None:
     rb = 1024
-    _splitk_reduce_kernel[(_cdiv(M * N, rb),)](ws, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb)
+    _splitk_reduce_kernel[(_cdiv(M * N, rb),)](ws, out, M, N, out.stride(0), SPLIT_K=split, BLOCK=rb,
+                                                **pdl_options(ws))
 
 
 def splitk_reduce(p: SplitKPartials, *, out: Tensor | None = None) -> Tensor:
@@ -850,7 +862,7 @@ def quantize_act_triton(x: Tensor) -> tuple[Tensor, Tensor]:
     if M == 0 or K == 0:
         return q, s
     G = _groups_per_program(KB)
-    _quantize_act_kernel[(M, _cdiv(KB, G))](x, q, s, K, KB, x.stride(0), q.stride(0), GROUPS=G)
+    _quantize_act_kernel[(M, _cdiv(KB, G))](x, q, s, K, KB, x.stride(0), q.stride(0), GROUPS=G, **pdl_options(x))
     return q, s
 
 
@@ -870,7 +882,7 @@ def silu_mul_quant_triton(gate_up: GemmOut) -> tuple[Tensor, Tensor]:
     G = _groups_per_program(KB)
     _silu_mul_quant_kernel[(M, _cdiv(KB, G))](data, q, s, I, KB, stride_m, q.stride(0), stride_s,
                                               GROUPS=G, ROUND_BF16=gate_up.dtype == torch.bfloat16,
-                                              ACCURATE_EXP=not interpret, SPLIT=split)
+                                              ACCURATE_EXP=not interpret, SPLIT=split, **pdl_options(data))
     return q, s
 
 

@@ -80,7 +80,7 @@ from .fp8 import (
     splitk_reduce,
     splitk_reduce_ref,
 )
-from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
 
 __all__ = [
     "NormQuant",
@@ -291,7 +291,9 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,
         STORE_OUT: tl.constexpr,
         QUANT: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         # SPLIT > 1: x is an FP8 GEMM's fp32 split-K partials (stride_xs apart), summed and
         # rounded to bf16 on load (_load_gemm_out). QUANT: also write the 1x128 e4m3
         # quantization of the output row (q, one fp32 scale per group; quantize_act's
@@ -348,7 +350,9 @@ if HAS_TRITON:
         DT: tl.constexpr,
         SPLIT: tl.constexpr,
         KV_FP8: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         # program (t, j): token t; j < N_HEAD -> query head j, else KV head j - N_HEAD
         # (K normed + roped, V copied). KV_FP8: K and V are stored as e4m3 with one fp32
         # scale per (token, KV head) at ks_ptr / vs_ptr (shoal.quant.kv). Head j's columns in qkv start at j * HEAD_DIM for
@@ -427,7 +431,9 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
         DT: tl.constexpr,
         ACCURATE_EXP: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n_inter
@@ -451,7 +457,9 @@ if HAS_TRITON:
         LENGTH: tl.constexpr,
         LEN_PAD: tl.constexpr,
         DT: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, GROUP_PAD)
@@ -479,6 +487,7 @@ if HAS_TRITON:
 
     # Triton fixes interpreted vs compiled mode when triton.language is imported; wrap
     # the kernels (and the device helper they call by its global name) to match.
+    from .paged_attention import pdl_enter  # noqa: F401 - a device helper the kernels call by name
     from .fp8 import (  # device helpers the kernels call by name
         _load_gemm_out,
         _quant_tile,
@@ -502,9 +511,10 @@ def _rows(t: Tensor, dim: int) -> Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _launch_opts(num_warps: int) -> dict:
+def _launch_opts(num_warps: int, t: Tensor | None = None) -> dict:
     # fp fusion off: torch computes a * c - b * s with rounded products (no FMA).
-    return {"num_warps": num_warps, "enable_fp_fusion": False}
+    # ``t``: a tensor of the launch, for programmatic dependent launch (pdl_options)
+    return {"num_warps": num_warps, "enable_fp_fusion": False, **(pdl_options(t) if t is not None else {})}
 
 
 def _require_kernel(t: Tensor) -> bool:
@@ -583,7 +593,7 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
         SPLIT=1,
         STORE_OUT=True,
         QUANT=False,
-        **_launch_opts(nw),
+        **_launch_opts(nw, x2),
     )
     return out, h
 
@@ -664,7 +674,7 @@ def add_rmsnorm_quant_triton(x: GemmOut, residual: Tensor | None, weight: Tensor
         SPLIT=split,
         STORE_OUT=store_normed,
         QUANT=True,
-        **_launch_opts(nw),
+        **_launch_opts(nw, x2),
     )
     return NormQuant(h, q, s, normed)
 
@@ -781,7 +791,7 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         DT=_DT_CODE[dtype],
         SPLIT=split,
         KV_FP8=kv_fp8,
-        **_launch_opts(1 if D <= 128 else 2),
+        **_launch_opts(1 if D <= 128 else 2, qkv2),
     )
     return q_out
 
@@ -848,7 +858,7 @@ def silu_mul_triton(gate_up: Tensor, *, out: Tensor | None = None, block: int = 
         DT=_DT_CODE[gate_up.dtype],
         # libdevice has no interpreter implementation; the interpreter's exp is numpy's.
         ACCURATE_EXP=not interpret,
-        **_launch_opts(4 if block >= 512 else 1),
+        **_launch_opts(4 if block >= 512 else 1, gu),
     )
     return out
 
@@ -907,7 +917,7 @@ def fast_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, le
         LENGTH=length,
         LEN_PAD=max(2, _next_pow2(length)),
         DT=_DT_CODE[q.dtype],
-        **_launch_opts(4),
+        **_launch_opts(4, q),
     )
     return out
 

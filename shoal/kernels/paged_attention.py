@@ -36,6 +36,7 @@ Two implementations share this contract:
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -49,6 +50,14 @@ except Exception:  # pragma: no cover - depends on the environment
     triton = None
     tl = None
     HAS_TRITON = False
+
+try:  # programmatic dependent launch intrinsics (griddepcontrol, sm_90+)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_PDL = True
+except Exception:  # pragma: no cover - older Triton
+    gdc_launch_dependents = gdc_wait = None
+    HAS_PDL = False
 
 __all__ = [
     "HAS_TRITON",
@@ -201,7 +210,9 @@ if HAS_TRITON:
         UPCAST_DOT: tl.constexpr,
         KV_FP8: tl.constexpr,
         CVT_F16: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         kvh = tl.program_id(0)
         b = tl.program_id(1)
         split = tl.program_id(2)
@@ -300,7 +311,9 @@ if HAS_TRITON:
         NUM_SPLITS: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
+        pdl_enter(PDL)
         h = tl.program_id(0)
         b = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_PAD)
@@ -319,6 +332,34 @@ if HAS_TRITON:
         den = tl.sum(w, 0)
         den = tl.where(den > 0.0, den, 1.0)
         tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, (num / den).to(o_ptr.dtype.element_ty))
+
+
+PDL_ENV = "SHOAL_PDL"
+"""Environment variable: ``1`` launches the decode step's Triton kernels with programmatic
+dependent launch (see :func:`pdl_enabled`); ``0`` (default) launches them normally."""
+
+
+@functools.cache
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch (PDL) for the decode step's Triton kernels: each is
+    launched with ``launch_pdl`` and starts with ``griddepcontrol.wait`` (it reads nothing and
+    writes nothing before the previous kernel in the stream has completed and its writes are
+    visible) followed by ``griddepcontrol.launch_dependents`` (the next kernel may be scheduled
+    onto SMs as this one's programs start). So a kernel's launch, scheduling and prologue overlap
+    its predecessor's tail instead of following it; the order of memory effects is unchanged.
+    CUDA graphs keep the programmatic edges. Needs compiled Triton with the intrinsics, a CUDA
+    device of compute capability >= 9.0, and ``SHOAL_PDL=1``."""
+    if not (HAS_TRITON and HAS_PDL) or triton_interpreting():
+        return False
+    if os.environ.get(PDL_ENV, "0").strip().lower() in ("", "0", "false", "no", "off"):
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def pdl_options(t: "torch.Tensor") -> dict:
+    """Launch keywords of a PDL launch of a kernel with a ``PDL`` constexpr, for tensors on
+    ``t``'s device: ``{"PDL": True, "launch_pdl": True}`` when :func:`pdl_enabled`, else {}."""
+    return {"PDL": True, "launch_pdl": True} if t.is_cuda and pdl_enabled() else {}
 
 
 def triton_interpreting() -> bool:
@@ -375,6 +416,14 @@ if HAS_TRITON:
         from triton.runtime.jit import JITFunction as _Wrap
     _mma = _Wrap(_mma_impl)
     _attend_tile = _Wrap(_attend_tile_impl)
+
+    def _pdl_enter_impl(PDL: tl.constexpr):
+        """First statement of a PDL-capable kernel (see :func:`pdl_enabled`)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    pdl_enter = _Wrap(_pdl_enter_impl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -538,6 +587,7 @@ def paged_decode_attention_triton(
         p_strides = (0, 0, 0, 0, 0)
 
     split_kernel, reduce_kernel = _kernels(bool(interpret))
+    pdl = pdl_options(q)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_kernel[(H_kv, B, num_splits)](
         q,
@@ -577,6 +627,7 @@ def paged_decode_attention_triton(
         CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl,
     )
     if num_splits > 1:
         reduce_kernel[(H, B)](
@@ -590,6 +641,7 @@ def paged_decode_attention_triton(
             SPLITS_PAD=max(2, _next_pow2(num_splits)),
             HEAD_DIM=D,
             num_warps=4,
+            **pdl,
         )
     return out
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .fused import _next_pow2
-from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
 
 __all__ = ["s2_main_sample", "s2_residual_sample"]
 
@@ -44,6 +44,7 @@ if HAS_TRITON:
     from triton.language.extra import libdevice
 
     from .fp8 import _round_bf16
+    from .paged_attention import pdl_enter
 
     @triton.jit
     def _round_dt(x, ROUND: tl.constexpr):
@@ -215,7 +216,9 @@ if HAS_TRITON:
                         window_ptr, stride_w, allowed_ptr, n_sem, idx_ptr, cols_ptr, stride_c,
                         emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
                         W: tl.constexpr, DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
-                        ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
+                        ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK, ROUND)
@@ -247,7 +250,9 @@ if HAS_TRITON:
                             greedy_ptr, seed_ptr, draw, cols_ptr, stride_c, col,
                             emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
                             DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
-                            ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr):
+                            ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        pdl_enter(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, n, BLOCK, ROUND)
@@ -322,7 +327,7 @@ def s2_main_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, windo
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
         W=W, DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
-        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block))
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), **pdl_options(logits))
 
 
 def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, draw: int, cols: Tensor,
@@ -344,4 +349,4 @@ def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, d
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
         DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
-        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block))
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), **pdl_options(logits))
