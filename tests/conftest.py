@@ -29,3 +29,29 @@ def tiny_s2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_s1_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random openaudio-s1-mini-format checkpoint dir (seed 0, incl. codec)."""
     return write_tiny_s1_checkpoint(tmp_path_factory.mktemp("ckpt") / "s1_tiny", seed=0)
+
+
+# Interpreter workers (tests/interpreter_worker.py) are started right after collection, for every
+# file with a selected interpreter test, so that they run alongside the rest of the suite.
+_WORKER_FIXTURES = {"interp_results", "interpreted"}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    try:
+        from shoal.kernels.paged_attention import HAS_TRITON
+    except Exception:  # noqa: BLE001 - the tests themselves report an unusable install
+        return
+    if not HAS_TRITON:
+        return
+    files = sorted({str(item.path) for item in items if _WORKER_FIXTURES & set(getattr(item, "fixturenames", ()))})
+    if files:
+        from interpreter_worker import prelaunch
+
+        prelaunch(files)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    if "interpreter_worker" in sys.modules:
+        sys.modules["interpreter_worker"].stop_all()

@@ -31,16 +31,60 @@ def report_cases(names: Iterable[str], run_case: Callable[[str], dict]) -> None:
     print(MARKER + json.dumps(results))
 
 
-def run_worker(test_file: str, timeout: float = 600) -> dict:
-    """Parent side: run ``test_file`` as a script with the interpreter on; its results."""
+_started: dict[str, tuple[subprocess.Popen, object, object]] = {}
+
+
+def _spawn(path: str) -> tuple[subprocess.Popen, object, object]:
+    import tempfile
+
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run([sys.executable, os.path.abspath(test_file)], env=env, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+    env["OMP_NUM_THREADS"] = "1"  # several workers share the machine's cores with the main run
+    out = tempfile.TemporaryFile(mode="w+")  # files, not pipes: a chatty worker never blocks
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, path], env=env, stdout=out, stderr=err, text=True)
+    return proc, out, err
+
+
+def prelaunch(test_files: Iterable[str]) -> None:
+    """Start the workers of ``test_files`` now, in the background (the conftest does this right
+    after collection for every file with a selected interpreter test), so they run while the
+    rest of the suite does; :func:`run_worker` then collects the result."""
+    for f in test_files:
+        path = os.path.abspath(f)
+        if path not in _started:
+            _started[path] = _spawn(path)
+
+
+def stop_all() -> None:
+    """Kill workers whose results nobody collected (end of the session)."""
+    while _started:
+        proc, out, err = _started.popitem()[1]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+
+
+def run_worker(test_file: str, timeout: float = 1500) -> dict:
+    """Parent side: the results of ``test_file`` run as a script with the interpreter on (its
+    prelaunched worker's, or a worker started now)."""
+    path = os.path.abspath(test_file)
+    proc, out, err = _started.pop(path, None) or _spawn(path)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    out.seek(0)
+    err.seek(0)
+    stdout, stderr = out.read(), err.read()
+    out.close()
+    err.close()
+    marker = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
     if proc.returncode != 0 or not marker:
-        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}")
     return json.loads(marker[-1][len(MARKER):])
 
 

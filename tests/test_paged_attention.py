@@ -16,11 +16,11 @@ if __name__ == "__main__":  # interpreter worker: must precede the first triton 
 
 import json
 import math
-import subprocess
 import zlib
 
 import pytest
 import torch
+from interpreter_worker import run_worker
 
 from shoal.kernels import paged_attention as pa
 
@@ -218,20 +218,7 @@ def _worker_main():
 def interp_results():
     if not pa.HAS_TRITON:
         pytest.skip("triton not installed")
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env.setdefault("OMP_NUM_THREADS", "2")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@RESULTS@@")]
-    if proc.returncode != 0 or not marker:
-        pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    results = json.loads(marker[-1][len("@@RESULTS@@") :])
+    results = run_worker(__file__)
     if "__unusable__" in results:
         import triton
 

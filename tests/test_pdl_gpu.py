@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (SHOAL_PDL=1, shoal.kernels.paged_attention.pdl_enabled):
+"""Programmatic dependent launch (on by default, SHOAL_PDL=0 off; shoal.kernels.paged_attention.pdl_enabled):
 the engine's decode step with every Triton kernel launched with PDL produces exactly the codes
 it produces without (PDL only lets a kernel be scheduled early; its memory effects still
 follow its predecessor's). GPU only; the model is small but runs every decode kernel: fused

@@ -335,8 +335,8 @@ if HAS_TRITON:
 
 
 PDL_ENV = "SHOAL_PDL"
-"""Environment variable: ``1`` launches the decode step's Triton kernels with programmatic
-dependent launch (see :func:`pdl_enabled`); ``0`` (default) launches them normally."""
+"""Environment variable: ``0`` launches the decode step's Triton kernels normally instead of with
+programmatic dependent launch (the default where supported, see :func:`pdl_enabled`)."""
 
 
 @functools.cache
@@ -347,11 +347,13 @@ def pdl_enabled() -> bool:
     visible) followed by ``griddepcontrol.launch_dependents`` (the next kernel may be scheduled
     onto SMs as this one's programs start). So a kernel's launch, scheduling and prologue overlap
     its predecessor's tail instead of following it; the order of memory effects is unchanged.
-    CUDA graphs keep the programmatic edges. Needs compiled Triton with the intrinsics, a CUDA
-    device of compute capability >= 9.0, and ``SHOAL_PDL=1``."""
+    CUDA graphs keep the programmatic edges. Needs compiled Triton with the intrinsics and a
+    CUDA device of compute capability >= 9.0; ``SHOAL_PDL=0`` turns it off. Measured on the H200
+    (2026-12-02): the bf16 engine at one stream 163 -> 177 frames/s, FP8 208 -> 230, the codes
+    unchanged (tests/test_pdl_gpu.py)."""
     if not (HAS_TRITON and HAS_PDL) or triton_interpreting():
         return False
-    if os.environ.get(PDL_ENV, "0").strip().lower() in ("", "0", "false", "no", "off"):
+    if os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
