@@ -123,6 +123,14 @@ def test_tuner_search_space():
             assert len(keys) == len(set(keys))  # no launch timed twice
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_bench_dense_without_cuda_says_so(capsys):
+    from shoal.cli import main
+
+    assert main(["bench", "dense", "--ms", "1"]) == 0
+    assert "CUDA not available" in capsys.readouterr().out
+
+
 def test_cpu_tensors_use_cublas_path():
     x = torch.randn(2, 3, 64).bfloat16()
     w = torch.randn(32, 64).bfloat16()

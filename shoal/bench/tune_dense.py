@@ -1,6 +1,7 @@
 """Tune the bf16 decode GEMM (:mod:`shoal.kernels.dense`) for S2-Pro's shapes on this GPU.
 
     python -m shoal.bench.tune_dense [--out DIR] [--ms 1,4,16,32,64,128] [--shapes ...] [--jobs N]
+    shoal bench dense --out DIR          # the same
 
 For every S2-Pro GEMM (wqkv, wo, gate_up = w1|w3, down, the constrained semantic head, the
 fast head) and every M bucket: times bf16 cuBLAS (``F.linear``) and a grid of kernel configs
