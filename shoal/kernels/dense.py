@@ -289,7 +289,7 @@ def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
 def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for any leading dims; the decode kernel where the tuned table
     says it beats cuBLAS (see the module docstring), else ``F.linear``."""
-    if bias is None and x.dim() >= 2:
+    if bias is None and x.dim() >= 2 and x.is_cuda and x.numel() <= MAX_M * x.shape[-1]:  # cheap tests first
         x2 = x.reshape(-1, x.shape[-1])
         if use_dense_kernel(x2, w):
             return dense_gemm_triton(x2, w).view(*x.shape[:-1], w.shape[0])
