@@ -83,6 +83,13 @@ def test_finish_config_splits_in_whole_blocks():
     assert dense.finish_config({"BLOCK_K": 64, "SPLIT_K": 99}, 256)["SPLIT_K"] == 4
 
 
+def test_prefetch_option_is_normalized():
+    c = dense.finish_config({"BLOCK_K": 128, "SPLIT_K": 8, "PREFETCH": 1024}, 2560)
+    assert c["PREFETCH"] == 256 and c["PREFETCH"] <= c["k_per_split"]  # a power of two within the split
+    assert dense.finish_config({"BLOCK_K": 128, "PREFETCH": 1024, "TMA": True}, 2560)["PREFETCH"] == 0
+    assert dense.finish_config({"BLOCK_K": 128, "PREFETCH": 32}, 2560)["PREFETCH"] == 0
+
+
 def test_table_buckets_and_override(tmp_path):
     table = {"configs": {"64,256": {"4": {"BLOCK_M": 16, "SPLIT_K": 2}, "32": {"BLOCK_M": 32}, "128": None}}}
     (tmp_path / "dense_tuned.json").write_text(json.dumps(table))
@@ -166,7 +173,8 @@ def test_gpu_kernel_matches_reference(M, N, K):
     for cfg in ({"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
                 {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 5},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "TMA": True},
-                {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True}):
+                {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True},
+                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREFETCH": 1024}):
         y = dense.dense_gemm_triton(x, w, config=cfg)
         assert _rel(y, ref) <= 2.0 ** -7, cfg
     assert _rel(dense.dense_linear(x, w), ref) <= 2.0 ** -7  # the table's choice (or cuBLAS)
@@ -184,7 +192,8 @@ def test_gpu_cuda_graph_replay_bit_exact():
     w = (torch.randn(N, K, device="cuda") * 0.01).bfloat16()
     cfgs = [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
             {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
-            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "TMA": True}]
+            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "TMA": True},
+            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PREFETCH": 512}]
 
     def step():
         return [dense.dense_gemm_triton(x, w, config=c) for c in cfgs]

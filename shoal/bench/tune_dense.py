@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels import dense
+from shoal.kernels.paged_attention import pdl_enabled
 
 from .kernels_fp8 import SHAPES, _log, time_graph
 from .tune_fp8 import _splits
@@ -43,7 +44,9 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
-    give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads."""
+    give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads, and (with
+    PDL, M <= 32) with pointer loads whose first 1,024 weight columns are prefetched into L2
+    before the kernel waits for its predecessor."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
@@ -62,7 +65,10 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
                     if ns * per_stage <= SMEM:
                         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                                     "num_stages": ns})
-    out += [{**c, "TMA": True} for c in out]  # the same launches with TMA operand loads
+    with_pf = []
+    if pdl_enabled() and bm <= 32:  # pointer loads with the weights' first columns prefetched before the PDL wait
+        with_pf = [{**c, "PREFETCH": 1024} for c in out]
+    out += [{**c, "TMA": True} for c in out] + with_pf  # the same launches with TMA operand loads
     seen, uniq = set(), []
     for c in out:
         key = json.dumps(dense.finish_config(c, K), sort_keys=True)
@@ -80,6 +86,8 @@ def short(c: dict | None) -> str:
         s += f" sk{c['SPLIT_K']}"
     if c.get("TMA"):
         s += " tma"
+    if c.get("PREFETCH"):
+        s += f" pf{c['PREFETCH']}"
     return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
 
 

@@ -58,20 +58,30 @@ def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
 
 if HAS_TRITON:
     from .fp8 import _gemm_epilogue
-    from .paged_attention import pdl_enter
+    from .paged_attention import gdc_launch_dependents, gdc_wait, pdl_enter
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        """One L2 prefetch per pointer of ``ptrs`` (valid addresses); a hint with no result,
+        kept because the asm is not pure."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
     @triton.jit
     def _dense_swap_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                           FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False):
+                           FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False,
+                           PREFETCH: tl.constexpr = 0):
         """Grid (n tiles, m tiles, SPLIT_K). Program (n, m, s) accumulates ``W[n tile, ks] @
         x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
         (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
         K is a multiple of ``k_per_split`` (no K masks); EVEN_N: N a multiple of BLOCK_N.
         UPCAST_DOT (the interpreter, whose bf16 dot multiplies raw bit patterns): the products
-        in fp32 on the bf16 values, which is what the tensor core computes."""
-        pdl_enter(PDL)
+        in fp32 on the bf16 values, which is what the tensor core computes. PREFETCH (with PDL):
+        before waiting for the previous kernel, prefetch the first PREFETCH columns of this
+        program's weight rows into L2 (the weights are never written by a kernel, so reading
+        them early is safe): the weight stream starts while the predecessor finishes."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -81,6 +91,14 @@ if HAS_TRITON:
         m_mask = offs_m < M
         n_mask = offs_n < N
         k_lo = pid_k * k_per_split
+        if PDL and PREFETCH > 0:
+            gdc_launch_dependents()
+            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+            cols = tl.minimum(k_lo + tl.arange(0, PREFETCH // 64) * 64, K - 1)  # one per 128-byte line
+            _prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])
+            gdc_wait()
+        else:
+            pdl_enter(PDL)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_lo + offs_kk)[None, :]
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_kk)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -176,6 +194,14 @@ def finish_config(cfg: dict, K: int) -> dict:
     per = _cdiv(kblocks, split)
     cfg["k_per_split"] = per * bk
     cfg["SPLIT_K"] = _cdiv(kblocks, per)
+    # PREFETCH: weight columns per row prefetched into L2 before the PDL wait (pointer kernel
+    # only): a power of two >= 64, at most the program's K range; 0 = none
+    pf = int(cfg.get("PREFETCH", 0) or 0)
+    if pf >= 64 and not cfg.get("TMA"):
+        pf = min(pf, cfg["k_per_split"])
+        cfg["PREFETCH"] = 1 << (pf.bit_length() - 1) if pf >= 64 else 0
+    else:
+        cfg["PREFETCH"] = 0
     return cfg
 
 
@@ -213,7 +239,7 @@ def _sms(index: int) -> int:
 def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
     contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
-    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA) overrides the table (tuning and
+    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA, PREFETCH) overrides the table (tuning and
     tests); without either, a plain default. ``TMA``: read the operands through tensor
     descriptors (``_dense_tma_kernel``; pointer loads when a base or row stride is not 16-byte
     aligned)."""
@@ -248,6 +274,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         counters = _tile_counters(x.device, tiles_m * tiles_n)
     even_k = K % cfg["k_per_split"] == 0
     kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
+    prefetch = cfg["PREFETCH"] if kw.get("PDL") else 0
     grid = (tiles_n, tiles_m, split)
     part = x if work is None else work
     cnt = out if counters is None else counters
@@ -263,7 +290,8 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         _dense_swap_kernel[grid](
             x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
-            EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret, **kw)
+            EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
+            PREFETCH=prefetch, **kw)
     if split > 1 and counters is None:
         from .fp8 import _launch_reduce
 
