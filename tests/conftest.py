@@ -36,7 +36,10 @@ def tiny_s1_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _WORKER_FIXTURES = {"interp_results", "interpreted"}
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(session, config, items):
+    if config.option.collectonly:
+        return
     try:
         from shoal.kernels.paged_attention import HAS_TRITON
     except Exception:  # noqa: BLE001 - the tests themselves report an unusable install

@@ -11,6 +11,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -32,6 +34,18 @@ def report_cases(names: Iterable[str], run_case: Callable[[str], dict]) -> None:
 
 
 _started: dict[str, tuple[subprocess.Popen, object, object]] = {}
+_queue: list[str] = []  # prelaunched files not started yet, in order
+_lock = threading.Lock()
+
+
+def _die_with_parent() -> None:  # the child's preexec: killed when the pytest process dies (Linux)
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: workers just run to their end
+        pass
 
 
 def _spawn(path: str) -> tuple[subprocess.Popen, object, object]:
@@ -39,39 +53,76 @@ def _spawn(path: str) -> tuple[subprocess.Popen, object, object]:
 
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
-    env["OMP_NUM_THREADS"] = "1"  # several workers share the machine's cores with the main run
+    env["OMP_NUM_THREADS"] = "1"  # workers share the machine's cores with the main run
     out = tempfile.TemporaryFile(mode="w+")  # files, not pipes: a chatty worker never blocks
     err = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, path], env=env, stdout=out, stderr=err, text=True)
+    proc = subprocess.Popen([sys.executable, path], env=env, stdout=out, stderr=err, text=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     return proc, out, err
 
 
+def _max_running() -> int:
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def _pump() -> None:
+    """Start queued workers while fewer than ``_max_running()`` are running."""
+    with _lock:
+        running = sum(1 for p, _, _ in _started.values() if p.poll() is None)
+        while _queue and running < _max_running():
+            path = _queue.pop(0)
+            if path not in _started:
+                _started[path] = _spawn(path)
+                running += 1
+
+
+_pumping = threading.Event()
+
+
+def _pump_loop() -> None:
+    # stays alive for the session: a child's PR_SET_PDEATHSIG fires when the *thread* that
+    # spawned it exits, so the spawning thread must outlive its workers
+    while True:
+        _pump()
+        time.sleep(0.5)
+
+
 def prelaunch(test_files: Iterable[str]) -> None:
-    """Start the workers of ``test_files`` now, in the background (the conftest does this right
-    after collection for every file with a selected interpreter test), so they run while the
-    rest of the suite does; :func:`run_worker` then collects the result."""
-    for f in test_files:
-        path = os.path.abspath(f)
-        if path not in _started:
-            _started[path] = _spawn(path)
+    """Run the workers of ``test_files`` in the background, at most ``cpu_count - 1`` at a time
+    (the conftest calls this after collection and deselection, for every file with a selected
+    interpreter test), so they run while the rest of the suite does; :func:`run_worker` then
+    collects the result (starting the worker at once if its turn has not come)."""
+    with _lock:
+        for f in test_files:
+            path = os.path.abspath(f)
+            if path not in _started and path not in _queue:
+                _queue.append(path)
+    if not _pumping.is_set():
+        _pumping.set()
+        threading.Thread(target=_pump_loop, name="interpreter-workers", daemon=True).start()
 
 
 def stop_all() -> None:
     """Kill workers whose results nobody collected (end of the session)."""
-    while _started:
-        proc, out, err = _started.popitem()[1]
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.close()
-        err.close()
+    with _lock:
+        _queue.clear()
+        while _started:
+            proc, out, err = _started.popitem()[1]
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.close()
+            err.close()
 
 
 def run_worker(test_file: str, timeout: float = 1500) -> dict:
     """Parent side: the results of ``test_file`` run as a script with the interpreter on (its
     prelaunched worker's, or a worker started now)."""
     path = os.path.abspath(test_file)
-    proc, out, err = _started.pop(path, None) or _spawn(path)
+    with _lock:
+        if path in _queue:
+            _queue.remove(path)
+        proc, out, err = _started.pop(path, None) or _spawn(path)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -82,6 +133,7 @@ def run_worker(test_file: str, timeout: float = 1500) -> dict:
     stdout, stderr = out.read(), err.read()
     out.close()
     err.close()
+    _pump()  # this worker's slot is free
     marker = [ln for ln in stdout.splitlines() if ln.startswith(MARKER)]
     if proc.returncode != 0 or not marker:
         pytest.fail(f"interpreter worker failed (rc={proc.returncode}):\n{stdout[-3000:]}\n{stderr[-5000:]}")

@@ -10,8 +10,11 @@ stages) on cold weights (CUDA-graph replay over rotating weight copies larger th
 of replays), checks every candidate against the fp32 reference, and writes ``DIR/dense_tuned.json``
 (``{"configs": {"N,K": {"M": config or null}}}``; null = cuBLAS was as fast: a config is kept
 only when it beats cuBLAS by ``--min-gain``) and ``DIR/tune_dense_cells.json`` (every timing).
-Copy the table to ``shoal/kernels/dense_tuned.json`` to make it the default, or point
-``SHOAL_DENSE_TUNED`` at it.
+The table holds every entry of the active one (``SHOAL_DENSE_TUNED`` or the packaged table)
+that this run did not re-tune. Copy it to ``shoal/kernels/dense_tuned.json`` to make it the
+default, or point ``SHOAL_DENSE_TUNED`` at it. Kernels are timed as they are launched when
+serving (with programmatic dependent launch where enabled, so back-to-back calls overlap a
+little, which cuBLAS calls do not: ``SHOAL_PDL=0`` times them without).
 """
 
 from __future__ import annotations
@@ -170,7 +173,12 @@ def main(argv=None) -> int:
         return 0
     t0 = time.time()
     ms = [int(m) for m in args.ms.split(",") if m]
+    if any(not 1 <= m <= dense.MAX_M for m in ms):
+        ap.error(f"--ms: M buckets must be within 1..{dense.MAX_M} (larger M always runs on cuBLAS)")
     names = [n for n in args.shapes.split(",") if n]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        ap.error(f"--shapes: unknown {unknown}; known: {', '.join(SHAPES)}")
     plan = []
     for name in names:
         N, K = SHAPES[name]
@@ -183,7 +191,8 @@ def main(argv=None) -> int:
             precompile(plan, args.jobs)
         except Exception as e:  # noqa: BLE001 - compile inline instead
             _log(f"precompile failed ({type(e).__name__}: {e}); compiling inline")
-    table: dict[str, dict] = {}
+    # the packaged entries stay for the shapes and buckets this run does not tune
+    table: dict[str, dict] = {k: dict(v) for k, v in dense._table().items()}
     cells: list[dict] = []
     for name in names:
         N, K = SHAPES[name]

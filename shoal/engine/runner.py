@@ -592,8 +592,10 @@ class ModelRunner:
         buckets = sorted(self.buckets, reverse=True)
         with torch.inference_mode():
             self.slot_ids.fill_(self.scratch_slot)
+        # every bucket runs once outside capture: launch configs differ by batch size (the dense
+        # GEMM's table buckets), so each compiles here rather than inside a capture
         self.graphs.update(self._capture(
-            buckets, self._decode_body, buckets[:1] + buckets[-1:], "capturing CUDA graphs", show_progress))
+            buckets, self._decode_body, buckets, "capturing CUDA graphs", show_progress))
         self.position.copy_(saved["pos"])
         self.frame.copy_(saved["frame"])
         self.slot_ids.copy_(saved["slots"])  # a re-capture leaves the slots being decoded alone

@@ -44,7 +44,7 @@ __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dens
 MAX_M = 128  # larger M (prefill) always goes to cuBLAS
 TABLE_ENV = "SHOAL_DENSE_TUNED"
 ENABLE_ENV = "SHOAL_DENSE_GEMM"
-TUNED_SMS = 132  # the table was measured on a 132-SM H200
+TUNED_SMS = 132  # SM count of a table without an "sms" entry (the packaged one: an H200)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -163,21 +163,32 @@ def set_dense_table(path=None) -> None:
     """Read the tuned table at ``path`` from now on (``None``: ``$SHOAL_DENSE_TUNED`` or the
     packaged ``dense_tuned.json``); clears the config cache."""
     _table_override[:] = [] if path is None else [str(path)]
-    _table.cache_clear()
+    _table_doc.cache_clear()
     dense_config.cache_clear()
 
 
 @functools.cache
-def _table() -> dict:
-    """``{"N,K": {"M": config}}``; a bucket M serves every batch size up to it."""
+def _table_doc() -> dict:
     override = _table_override[0] if _table_override else os.environ.get(TABLE_ENV)
     path = Path(override) if override else Path(__file__).with_name("dense_tuned.json")
     if path.is_dir():
         path = path / "dense_tuned.json"
     try:
-        return json.loads(path.read_text()).get("configs", {})
+        doc = json.loads(path.read_text())
+        return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def _table() -> dict:
+    """``{"N,K": {"M": config}}``; a bucket M serves every batch size up to it."""
+    return _table_doc().get("configs", {})
+
+
+def table_sms() -> int:
+    """The SM count of the GPU the active table was tuned on (its ``"sms"``; 132, the H200,
+    when absent): the table is used only on GPUs with that many SMs."""
+    return int(_table_doc().get("sms") or TUNED_SMS)
 
 
 def finish_config(cfg: dict, K: int) -> dict:
@@ -311,13 +322,13 @@ def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
     if x.dim() != 2 or not w.is_contiguous():
         return False
     idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _sms(idx) == TUNED_SMS and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
+    return _sms(idx) == table_sms() and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
 
 
 def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, w, bias)`` for any leading dims; the decode kernel where the tuned table
     says it beats cuBLAS (see the module docstring), else ``F.linear``."""
-    if bias is None and x.dim() >= 2 and x.is_cuda and x.numel() <= MAX_M * x.shape[-1]:  # cheap tests first
+    if bias is None and x.dim() >= 2 and x.is_cuda and 0 < x.numel() <= MAX_M * x.shape[-1]:  # cheap tests first
         x2 = x.reshape(-1, x.shape[-1])
         if use_dense_kernel(x2, w):
             return dense_gemm_triton(x2, w).view(*x.shape[:-1], w.shape[0])

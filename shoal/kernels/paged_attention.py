@@ -355,7 +355,8 @@ def pdl_enabled() -> bool:
         return False
     if os.environ.get(PDL_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return (torch.version.hip is None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
 
 
 def pdl_options(t: "torch.Tensor") -> dict:

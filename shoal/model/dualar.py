@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..kernels.dense import dense_linear
 from .config import ModelConfig
 from .layers import AttentionBackend, Block, RMSNorm, rope_table
 from .static_cache import StaticKVCache
@@ -27,6 +26,14 @@ def _linear(mod: nn.Module, x: Tensor) -> Tensor:
     if type(mod) is nn.Linear:
         return dense_linear(x, mod.weight, mod.bias)
     return mod(x)
+
+
+def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
+    """:func:`shoal.kernels.dense.dense_linear`, imported on first use (importing the model
+    does not import Triton)."""
+    from ..kernels.dense import dense_linear as impl
+
+    return impl(x, w, bias)
 
 
 @dataclass
