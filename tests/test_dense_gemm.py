@@ -29,6 +29,8 @@ CASES = {  # name -> (M, N, K, config)
     "m33_bm64_bk128": (33, 64, 512, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}),
     "tma_m3_split3": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "TMA": True}),
     "tma_m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True}),
+    "tma_tile_m40_ragged": (40, 70, 200, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True,
+                                          "KIND": "tile"}),
 }
 
 
@@ -174,7 +176,9 @@ def test_gpu_kernel_matches_reference(M, N, K):
                 {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "SPLIT_K": 4, "num_warps": 8, "num_stages": 5},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "TMA": True},
                 {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True},
-                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREFETCH": 1024}):
+                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREFETCH": 1024},
+                {"BLOCK_M": max(bm, 64), "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True,
+                 "KIND": "tile"}):
         y = dense.dense_gemm_triton(x, w, config=cfg)
         assert _rel(y, ref) <= 2.0 ** -7, cfg
     assert _rel(dense.dense_linear(x, w), ref) <= 2.0 ** -7  # the table's choice (or cuBLAS)

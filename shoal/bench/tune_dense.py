@@ -49,7 +49,8 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
     give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads, and (with
     PDL, M <= 32) with pointer loads whose first 1,024 weight columns are prefetched into L2
-    before the kernel waits for its predecessor."""
+    before the kernel waits for its predecessor; for M >= 64 also TMA launches with the tokens on
+    the MMA's M axis (``KIND`` "tile")."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
@@ -71,7 +72,10 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
     with_pf = []
     if pdl_enabled() and bm <= 32:  # pointer loads with the weights' first columns prefetched before the PDL wait
         with_pf = [{**c, "PREFETCH": 1024} for c in out]
-    out += [{**c, "TMA": True} for c in out] + with_pf  # the same launches with TMA operand loads
+    tile = []  # M >= 64: TMA loads with the tokens on the MMA's M axis (wide wgmma: 128-256 weight rows)
+    if bm >= 64:
+        tile = [{**c, "TMA": True, "KIND": "tile"} for c in out if c["BLOCK_N"] >= 128]
+    out += [{**c, "TMA": True} for c in out] + with_pf + tile  # the same launches with TMA operand loads
     seen, uniq = set(), []
     for c in out:
         key = json.dumps(dense.finish_config(c, K), sort_keys=True)
@@ -91,6 +95,8 @@ def short(c: dict | None) -> str:
         s += " tma"
     if c.get("PREFETCH"):
         s += f" pf{c['PREFETCH']}"
+    if c.get("KIND") == "tile":
+        s += " tile"
     return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
 
 

@@ -127,10 +127,13 @@ if HAS_TRITON:
     def _dense_tma_kernel(x_desc, w_desc, y_ptr, part_ptr, cnt_ptr, M, N, stride_ym, k_per_split,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, SWAP: tl.constexpr = True):
         """``_dense_swap_kernel`` with both operands read through tensor descriptors (TMA on
         sm_90: one bulk copy per tile into shared memory, out-of-range rows and columns read as
-        zeros, so no masks); the same products, sums and epilogue."""
+        zeros, so no masks); the same products, sums and epilogue. ``SWAP=False`` (config
+        ``KIND`` "tile", for M >= 64): the MMA computes ``x_tile @ W_tile^T`` with the tokens on
+        its M axis and up to 256 weight rows on its N axis (the wide wgmma shape), transposed
+        in registers for the epilogue; the same sums."""
         pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -138,14 +141,25 @@ if HAS_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         k_lo = pid_k * k_per_split
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
             w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
             a = x_desc.load([pid_m * BLOCK_M, k_lo + k0])
-            if UPCAST_DOT:
-                acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
+            if SWAP:
+                if UPCAST_DOT:
+                    acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, tl.trans(a), acc)
             else:
-                acc = tl.dot(w, tl.trans(a), acc)
+                if UPCAST_DOT:
+                    acc_t = tl.dot(a.to(tl.float32), tl.trans(w).to(tl.float32), acc_t, input_precision="ieee")
+                else:
+                    acc_t = tl.dot(a, tl.trans(w), acc_t)
+        if not SWAP:
+            acc = tl.trans(acc_t)
         mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
                        offs_m[None, :] * N + offs_n[:, None], mask, M * N, pid_k,
@@ -205,6 +219,10 @@ def finish_config(cfg: dict, K: int) -> dict:
     per = _cdiv(kblocks, split)
     cfg["k_per_split"] = per * bk
     cfg["SPLIT_K"] = _cdiv(kblocks, per)
+    # KIND "tile" (TMA kernel only): tokens on the MMA's M axis; otherwise swap-AB
+    if cfg.get("KIND") == "tile" and not cfg.get("TMA"):
+        cfg["KIND"] = "swap"
+    cfg["KIND"] = "tile" if cfg.get("KIND") == "tile" else "swap"
     # PREFETCH: weight columns per row prefetched into L2 before the PDL wait (pointer kernel
     # only): a power of two >= 64, at most the program's K range; 0 = none
     pf = int(cfg.get("PREFETCH", 0) or 0)
@@ -250,7 +268,7 @@ def _sms(index: int) -> int:
 def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
     contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
-    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA, PREFETCH) overrides the table (tuning and
+    ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA, PREFETCH, KIND) overrides the table (tuning and
     tests); without either, a plain default. ``TMA``: read the operands through tensor
     descriptors (``_dense_tma_kernel``; pointer loads when a base or row stride is not 16-byte
     aligned)."""
@@ -296,7 +314,8 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
         _dense_tma_kernel[grid](x_desc, w_desc, out, part, cnt, M, N, out.stride(0), cfg["k_per_split"],
                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                                SPLIT_K=split, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret, **kw)
+                                SPLIT_K=split, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
+                                SWAP=cfg.get("KIND") != "tile", **kw)
     else:
         _dense_swap_kernel[grid](
             x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"],
