@@ -57,7 +57,9 @@ def _case(M, N, K, cfg):
 
 
 def _worker_main():
-    assert dense.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
+    from shoal.kernels.paged_attention import triton_interpreting
+
+    assert triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
     report_cases(CASES, lambda name: _case(*CASES[name]))
 
 

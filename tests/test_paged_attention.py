@@ -9,7 +9,6 @@ error is then checked by its own parametrized test here.
 """
 
 import os
-import sys
 
 if __name__ == "__main__":  # interpreter worker: must precede the first triton import
     os.environ["TRITON_INTERPRET"] = "1"

@@ -25,22 +25,17 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
 from shoal.kernels import dense
 from shoal.kernels.paged_attention import pdl_enabled
 
 from .kernels_fp8 import SHAPES, _log, time_graph
-from .tune_fp8 import _splits
+from .tune_fp8 import _cdiv, _splits
 
 TUNE_SHAPES = ("gate_up", "wqkv", "wo", "down", "semantic_head", "fast_head")
 MS = (1, 4, 16, 32, 64, 128)
 SMEM = 200 * 1024  # H200: 227 KB of shared memory per block; leave room for the epilogue
 DEV = "cuda"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def candidates(M: int, N: int, K: int) -> list[dict]:

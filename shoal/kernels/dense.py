@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
+from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters
+from .paged_attention import HAS_TRITON, pdl_options, tl, triton
 
 __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table"]
 
@@ -45,10 +46,6 @@ MAX_M = 128  # larger M (prefill) always goes to cuBLAS
 TABLE_ENV = "SHOAL_DENSE_TUNED"
 ENABLE_ENV = "SHOAL_DENSE_GEMM"
 TUNED_SMS = 132  # SM count of a table without an "sms" entry (the packaged one: an H200)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
@@ -68,6 +65,14 @@ if HAS_TRITON:
                                   is_pure=False, pack=1)
 
     @triton.jit
+    def _dot_acc(a, b, acc, UPCAST_DOT: tl.constexpr):
+        """``acc + a @ b`` in fp32. UPCAST_DOT (the interpreter, whose bf16 dot multiplies raw bit
+        patterns): the products in fp32 on the bf16 values, which is what the tensor core does."""
+        if UPCAST_DOT:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _dense_swap_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -77,8 +82,7 @@ if HAS_TRITON:
         x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
         (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
         K is a multiple of ``k_per_split`` (no K masks); EVEN_N: N a multiple of BLOCK_N.
-        UPCAST_DOT (the interpreter, whose bf16 dot multiplies raw bit patterns): the products
-        in fp32 on the bf16 values, which is what the tensor core computes. PREFETCH (with PDL):
+        UPCAST_DOT: see ``_dot_acc``. PREFETCH (with PDL):
         before waiting for the previous kernel, prefetch the first PREFETCH columns of this
         program's weight rows into L2 (the weights are never written by a kernel, so reading
         them early is safe): the weight stream starts while the predecessor finishes."""
@@ -113,10 +117,7 @@ if HAS_TRITON:
                 k_mask = (k_lo + k0 + offs_kk) < K
                 w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                 a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            if UPCAST_DOT:
-                acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(a), acc)
+            acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
@@ -149,15 +150,9 @@ if HAS_TRITON:
             w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
             a = x_desc.load([pid_m * BLOCK_M, k_lo + k0])
             if SWAP:
-                if UPCAST_DOT:
-                    acc = tl.dot(w.to(tl.float32), tl.trans(a).to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w, tl.trans(a), acc)
+                acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
             else:
-                if UPCAST_DOT:
-                    acc_t = tl.dot(a.to(tl.float32), tl.trans(w).to(tl.float32), acc_t, input_precision="ieee")
-                else:
-                    acc_t = tl.dot(a, tl.trans(w), acc_t)
+                acc_t = _dot_acc(a, tl.trans(w), acc_t, UPCAST_DOT)
         if not SWAP:
             acc = tl.trans(acc_t)
         mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
@@ -220,17 +215,11 @@ def finish_config(cfg: dict, K: int) -> dict:
     cfg["k_per_split"] = per * bk
     cfg["SPLIT_K"] = _cdiv(kblocks, per)
     # KIND "tile" (TMA kernel only): tokens on the MMA's M axis; otherwise swap-AB
-    if cfg.get("KIND") == "tile" and not cfg.get("TMA"):
-        cfg["KIND"] = "swap"
-    cfg["KIND"] = "tile" if cfg.get("KIND") == "tile" else "swap"
-    # PREFETCH: weight columns per row prefetched into L2 before the PDL wait (pointer kernel
-    # only): a power of two >= 64, at most the program's K range; 0 = none
-    pf = int(cfg.get("PREFETCH", 0) or 0)
-    if pf >= 64 and not cfg.get("TMA"):
-        pf = min(pf, cfg["k_per_split"])
-        cfg["PREFETCH"] = 1 << (pf.bit_length() - 1) if pf >= 64 else 0
-    else:
-        cfg["PREFETCH"] = 0
+    cfg["KIND"] = "tile" if cfg.get("KIND") == "tile" and cfg.get("TMA") else "swap"
+    # PREFETCH (pointer kernel only): weight columns per row prefetched into L2 before the PDL
+    # wait, a power of two from 64 up to the program's K range; 0 = none
+    pf = 0 if cfg.get("TMA") else min(int(cfg.get("PREFETCH") or 0), cfg["k_per_split"])
+    cfg["PREFETCH"] = 1 << (pf.bit_length() - 1) if pf >= 64 else 0
     return cfg
 
 
@@ -255,11 +244,6 @@ def _enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "1") not in ("0", "false", "no", "off")
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 # --------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------
@@ -272,17 +256,11 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     tests); without either, a plain default. ``TMA``: read the operands through tensor
     descriptors (``_dense_tma_kernel``; pointer loads when a base or row stride is not 16-byte
     aligned)."""
-    from .fp8 import _out_buffer, _tile_counters
-
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"dense_gemm: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise ValueError(f"dense_gemm: bf16 operands expected, got {x.dtype} and {w.dtype}")
-    if not HAS_TRITON:
-        raise RuntimeError("triton is not installed")
-    interpret = triton_interpreting()
-    if not x.is_cuda and not interpret:
-        raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 before triton is first imported")
+    interpret = _require_triton(x)
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
     if not w.is_contiguous():
@@ -323,8 +301,6 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
             EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
             PREFETCH=prefetch, **kw)
     if split > 1 and counters is None:
-        from .fp8 import _launch_reduce
-
         _launch_reduce(work, out, M, N, split)
     return out
 
@@ -340,8 +316,7 @@ def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
         return False
     if x.dim() != 2 or not w.is_contiguous():
         return False
-    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return _sms(idx) == table_sms() and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
+    return _device_sms(x) == table_sms() and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
 
 
 def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -251,7 +251,7 @@ if HAS_TRITON:
                             emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
                             DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                             ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False):
         pdl_enter(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
