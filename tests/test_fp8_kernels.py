@@ -154,6 +154,25 @@ def _swap_case(M, K, N):
             b = fused.add_rmsnorm_quant_triton(ys, res, w, 1e-6, store_normed=True)
             flags[f"{label}_norm_exact"] = (torch.equal(a.h, b.h) and torch.equal(_bytes(a.q), _bytes(b.q))
                                             and torch.equal(a.s, b.s) and torch.equal(a.normed, b.normed))
+    # KB_STEP (K blocks unrolled per iteration) and TMA operands change the schedule, not the
+    # sums: bit-equal to the plain kernel with the same K range per program (one split);
+    # K = 200 has a row stride TMA cannot take (the pointer loads are used instead)
+    one = {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": 64}
+    y_one = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=one)
+    for step in (1, 2, 4):
+        for tma in (False, True):
+            if step == 1 and not tma:
+                continue
+            y_st = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={**one, "KB_STEP": step, "TMA": tma})
+            flags[f"swap_step{step}_tma{int(tma)}_exact"] = torch.equal(y_st, y_one)
+    flags["tile_step2_exact"] = torch.equal(
+        fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={"BLOCK_M": 16, "BLOCK_N": 64, "KB_STEP": 2}),
+        fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={"BLOCK_M": 16, "BLOCK_N": 64}))
+    # split K with the range rounded up to the step (the last split runs past KB)
+    stepped = {**one, "SPLIT_K": 2, "KB_STEP": 2, "TMA": True, "REDUCE": "fused"}
+    checks["swap_step2_split2_tma"] = (_rel(fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=stepped), y_r), 2.0 ** -7)
+    fin = fp8._finish_config(stepped, M, K)
+    flags["step_rounds_split_range"] = fin["kb_per_split"] % 2 == 0 and fin["SPLIT_K"] == -(-KB // fin["kb_per_split"])
     # quantize fused into the swap kernel's prologue: the same bytes, so the same result
     swap = {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": 64, "SPLIT_K": 2, "REDUCE": "fused"}
     flags["swap_linear_fuse_quant"] = torch.equal(fp8.fp8_linear_triton(x, Wq, Ws, config=swap, fuse_quant=True),
@@ -171,6 +190,9 @@ def _swap_case(M, K, N):
     for label, cfg in [("swap", {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": 128}),
                        ("swap_split_fused", {"KIND": "swap", "BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2,
                                              "REDUCE": "fused"}),
+                       ("swap_step2_tma_split", {**stepped, "BLOCK_N": 128}),
+                       ("swap_step4_split", {**one, "SPLIT_K": 2, "KB_STEP": 4}),
+                       ("tile_step2_split", {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "KB_STEP": 2}),
                        ("tile", {"BLOCK_M": 16, "BLOCK_N": 64})]:
         flags[f"exact_{label}"] = torch.equal(fp8.fp8_gemm_triton(iq, isx, iw, isw, config=cfg), ye)
     return {"checks": checks, "flags": flags}
@@ -304,9 +326,14 @@ def test_tuner_search_space():
             cands = tune_fp8.candidates(M, N, K)
             keys = [tune_fp8._key(c, M, K) for c in cands]
             assert len(keys) == len(set(keys)), (name, M)  # no launch timed twice
-            assert all(c.get("KIND", "tile") == "tile" for c in cands if M > tune_fp8.SWAP_MAX_M)
+            assert all(c.get("KIND", "tile") == "tile" for c in cands if M > 128)  # prefill: tile kernel
             if M == 1:
                 assert any(c.get("KIND") == "swap" for c in cands)
+                # K blocks per iteration and TMA loads are tuner dimensions
+                assert {int(c.get("KB_STEP") or 1) for c in cands} >= {1, 2, 4}
+                assert {bool(c.get("TMA")) for c in cands} == {False, True}
+            if M in (64, 128):  # the swap kernel with a whole token tile competes with the tile kernel
+                assert {c.get("KIND", "tile") for c in cands} == {"tile", "swap"}
             assert sum(1 for c in cands if c.get("_old")) == 1  # the packaged entry is always timed
             for c in cands:
                 f = fp8._finish_config(tune_fp8._public(c), M, K)
@@ -314,7 +341,7 @@ def test_tuner_search_space():
                 assert f["SPLIT_K"] <= 16 and f["SPLIT_K"] <= KB
                 if f["SPLIT_K"] > 1 and not c.get("_old"):
                     assert c.get("REDUCE") in ("fused", None)
-            assert len(cands) <= 32
+            assert len(cands) <= 96
         seeds = tune_fp8.candidates(1, N, K)[:3]
         for M in (8, 32):
             seeded = tune_fp8.candidates(M, N, K, seeds)
@@ -569,6 +596,39 @@ def test_gpu_swap_kernel_matches_reference(M, N, K):
             assert torch.equal(fp8.fp8_linear_triton(x, Wq, Ws, config=cfg, fuse_quant=True), y_k)
     torch.cuda.synchronize()
     assert not bool(fp8._counters[("cuda", x.device.index)].any())  # every counter back to 0
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize("N,K", [(19456, 2560), (2560, 9728)])
+def test_gpu_swap_kb_step_and_tma(M, N, K):
+    """KB_STEP and TMA change the schedule only: bit-equal to the plain swap kernel at one split
+    (same K range per program), within the reference bound with split K (ragged last split),
+    and a TMA config with the fused reduce replays in a CUDA graph."""
+    g = torch.Generator(device="cuda").manual_seed(M + N + K + 5)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    Wq, Ws = fp8.quantize_weight_ref((torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16())
+    xq, xs = fp8.quantize_act(x)
+    y_r = fp8.fp8_gemm_ref(xq, xs, Wq, Ws)
+    bm = 16 if M == 1 else 64
+    one = {"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    y_one = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=one)
+    for step, tma in ((2, False), (1, True), (2, True), (4, True)):
+        y = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={**one, "KB_STEP": step, "TMA": tma})
+        assert torch.equal(y, y_one), (step, tma)
+    split = {**one, "SPLIT_K": 3, "KB_STEP": 2, "TMA": True, "REDUCE": "fused"}
+    y_s = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=split)
+    assert _rel(y_s, y_r) <= 2.0 ** -7
+    out = torch.empty_like(y_s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8.fp8_gemm_triton(xq, xs, Wq, Ws, out=out, config=split)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, y_s)
+    assert not bool(fp8._counters[("cuda", x.device.index)].any())
 
 
 @cuda

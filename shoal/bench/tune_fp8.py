@@ -85,9 +85,11 @@ def _splits(KB: int, tiles: int, options=(1, 2, 4, 8, 16), lo: float = 0.5, hi: 
 def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[dict]:
     """The search space for one cell (kept small: every distinct config is one Triton compile).
     M <= 32: the swap-AB kernel, weight tiles of 64/128/256 rows, tokens 16 or 32 per program,
-    split-K 1-16 (in-kernel reduce), 4-6 stages (3-4 for 256 rows) -- or, given ``seeds`` (the
-    best M = 1 configs of the shape), only those with the token tile adjusted to M; M = 64/128:
-    the tile kernel with 64/128 x 64/128/256 tiles, split-K 1-4; prefill: tile kernel, no split.
+    split-K 1-16 (in-kernel reduce), 1/2/4 K blocks per iteration with 2-6 stages, pointer or
+    TMA loads -- or, given ``seeds`` (the best M = 1 configs of the shape), only those with the
+    token tile adjusted to M; M = 64/128: the tile kernel with 64/128 x 64/128/256 tiles,
+    split-K 1-4, and the swap kernel with the whole token tile (64/128 x 64/128, 1 or 2 K
+    blocks per iteration, pointer or TMA loads); prefill: tile kernel, no split.
     Plus the packaged table's entry (as it is and with the fused reduce)."""
     KB = _cdiv(K, 128)
     out: list[dict] = []
@@ -101,12 +103,16 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
             out.append(c)
     elif M <= SWAP_MAX_M:
         bm = 16 if M <= 16 else 32
-        for bn, nw, stages in ((64, 4, (4, 6)), (128, 4, (4, 6)), (256, 8, (3, 4))):
+        # (weight rows, warps, {K blocks per iteration: stages}): about 200 KB of shared memory at most
+        for bn, nw, steps in ((64, 4, {1: (4, 6), 2: (3, 4), 4: (2, 3)}), (128, 4, {1: (4, 6), 2: (3,)}),
+                              (256, 8, {1: (3, 4)})):
             tiles = _cdiv(N, bn) * _cdiv(M, bm)
             for sk in _splits(KB, tiles):
-                for ns in stages:
-                    out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw,
-                                "num_stages": ns})
+                for step, stages in steps.items():
+                    for ns in stages:
+                        for tma in (False, True):
+                            out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk,
+                                        "num_warps": nw, "num_stages": ns, "KB_STEP": step, "TMA": tma})
     elif M <= 128:
         for bm, bn, nw in ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (128, 256, 8)):
             if bm > 64 and M <= 64:
@@ -116,6 +122,16 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
                 for ns in (3, 4):
                     out.append({"KIND": "tile", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw,
                                 "num_stages": ns})
+        # the swap kernel with a whole token tile (64 or 128 on the MMA's N axis)
+        for bm in sorted({64, fp8._pow2(M)}):
+            for bn in (64, 128):
+                tiles = _cdiv(M, bm) * _cdiv(N, bn)
+                for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=4.0):
+                    for step, ns in ((1, 4), (2, 3)):
+                        for tma in (False, True):
+                            out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk,
+                                        "num_warps": 4 if bm * bn <= 64 * 64 else 8, "num_stages": ns,
+                                        "KB_STEP": step, "TMA": tma})
     else:  # prefill
         for bm, bn, nw in ((64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8)):
             for ns in (3, 4):
@@ -158,6 +174,10 @@ def short(c: dict | None) -> str:
     s = f"{c.get('KIND', 'tile')} {c.get('BLOCK_M', 16)}x{c.get('BLOCK_N', 64)}"
     if int(c.get("SPLIT_K", 1)) > 1:
         s += f" sk{c['SPLIT_K']}{'f' if c.get('REDUCE') == 'fused' else 'r'}"
+    if int(c.get("KB_STEP") or 1) > 1:
+        s += f" x{c['KB_STEP']}"
+    if c.get("TMA"):
+        s += " tma"
     return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters
+from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters, _tma_ok
 from .paged_attention import HAS_TRITON, pdl_options, tl, triton
 
 __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table"]
@@ -303,11 +303,6 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     if split > 1 and counters is None:
         _launch_reduce(work, out, M, N, split)
     return out
-
-
-def _tma_ok(x: Tensor, w: Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and row strides."""
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (x, w))
 
 
 def use_dense_kernel(x: Tensor, w: Tensor) -> bool:

@@ -481,9 +481,11 @@ if HAS_TRITON:
     def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KB, stride_xm,
                          stride_ym, kb_per_split,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                         QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False):
+                         QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False,
+                         KB_STEP: tl.constexpr = 1):
         """KIND "tile": a (BLOCK_M tokens x BLOCK_N weight rows) output tile per program, grid
-        (m tiles, n tiles, SPLIT_K). QUANT_A: ``x_ptr`` is the bf16/fp32 activation, quantized
+        (m tiles, n tiles, SPLIT_K); KB_STEP as in ``_fp8_gemm_swap_kernel``. QUANT_A: ``x_ptr``
+        is the bf16/fp32 activation, quantized
         per 1x128 group in the prologue of every K block (the same arithmetic as
         ``_quantize_act_kernel``, so the same bytes and scales); ``xs_ptr`` is unused. Output
         (see ``_gemm_epilogue``): bf16 ``y_ptr`` (row stride ``stride_ym``) and/or the fp32
@@ -501,20 +503,25 @@ if HAS_TRITON:
         kb_lo = pid_k * kb_per_split
         kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            offs_k = kb * 128 + offs_kk
-            k_mask = offs_k < K
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None],
-                        mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [128, BLOCK_N]
-            if QUANT_A:
-                a, sa = _quant_tile(a.to(tl.float32))
-            else:
-                sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
-            part = tl.dot(a, b)
-            sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
-            acc += part * sa[:, None] * sb[None, :]
+        for kb0 in range(kb_lo, kb_hi, KB_STEP):
+            for j in tl.static_range(KB_STEP):
+                kb = kb0 + j
+                offs_k = kb * 128 + offs_kk
+                k_mask = offs_k < K
+                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(w_ptr + offs_n[None, :] * K + offs_k[:, None],
+                            mask=n_mask[None, :] & k_mask[:, None], other=0.0)  # [128, BLOCK_N]
+                if QUANT_A:
+                    a, sa = _quant_tile(a.to(tl.float32))
+                else:
+                    sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask & (kb + 0 * offs_m < KB), other=0.0)
+                part = tl.dot(a, b)
+                sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask & (kb + 0 * offs_n < KB), other=0.0)
+                if KB_STEP == 1:
+                    acc += part * sa[:, None] * sb[None, :]
+                else:
+                    acc = tl.where(kb < KB, acc + part * sa[:, None] * sb[None, :], acc)
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[:, None] * stride_ym + offs_n[None, :],
                        offs_m[:, None] * N + offs_n[None, :], m_mask[:, None] & n_mask[None, :], M * N, pid_k,
                        pid_m * tl.num_programs(1) + pid_n, SPLIT_K, FUSED_REDUCE)
@@ -523,12 +530,20 @@ if HAS_TRITON:
     def _fp8_gemm_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, KB, stride_xm,
                               stride_ym, kb_per_split,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                              QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False):
+                              QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False,
+                              KB_STEP: tl.constexpr = 1, TMA: tl.constexpr = False):
         """KIND "swap" (decode, small M): the transposed tile ``acc[BLOCK_N, BLOCK_M] =
         W_tile @ x_tile^T`` so the weight rows (64-256) sit on the MMA's M axis (wgmma on
         sm_90) and the few tokens on its N axis; grid (n tiles, m tiles, SPLIT_K). The same
         arithmetic as ``_fp8_gemm_kernel`` element for element: per 128-wide K block the raw
-        fp8 dot in fp32, then ``acc += (dot * sa[m]) * sw[n // 128, kb]``; same epilogue."""
+        fp8 dot in fp32, then ``acc += (dot * sa[m]) * sw[n // 128, kb]``; same epilogue.
+
+        KB_STEP: 128-wide K blocks per loop iteration (unrolled; ``kb_per_split`` is a multiple
+        of it, so only the last split runs past KB, where the blocks are skipped): more bytes
+        in flight per iteration and fewer loop-carried waits on the MMA, the same sums in the
+        same order. TMA: ``x_ptr`` / ``w_ptr`` are tensor descriptors with [BLOCK_M, 128] /
+        [BLOCK_N, 128] blocks (bulk copies into shared memory, zeros outside the tensor; not with
+        QUANT_A)."""
         pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -542,20 +557,29 @@ if HAS_TRITON:
         kb_lo = pid_k * kb_per_split
         kb_hi = tl.minimum(kb_lo + kb_per_split, KB)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for kb in range(kb_lo, kb_hi):
-            offs_k = kb * 128 + offs_kk
-            k_mask = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :],
-                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, 128]
-            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, 128]
-            if QUANT_A:
-                a, sa = _quant_tile(a.to(tl.float32))
-            else:
-                sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask, other=0.0)
-            part = tl.dot(w, tl.trans(a))  # [BLOCK_N, BLOCK_M]
-            sw = tl.load(ws_ptr + nb * KB + kb, mask=n_mask, other=0.0)
-            acc += part * sa[None, :] * sw[:, None]
+        for kb0 in range(kb_lo, kb_hi, KB_STEP):
+            for j in tl.static_range(KB_STEP):
+                kb = kb0 + j
+                if TMA:
+                    w = w_ptr.load([pid_n * BLOCK_N, kb * 128])  # [BLOCK_N, 128]
+                    a = x_ptr.load([pid_m * BLOCK_M, kb * 128])  # [BLOCK_M, 128]
+                else:
+                    offs_k = kb * 128 + offs_kk
+                    k_mask = offs_k < K
+                    w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :],
+                                mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, 128]
+                    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, 128]
+                if QUANT_A:
+                    a, sa = _quant_tile(a.to(tl.float32))
+                else:
+                    sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask & (kb + 0 * offs_m < KB), other=0.0)
+                part = tl.dot(w, tl.trans(a))  # [BLOCK_N, BLOCK_M]
+                sw = tl.load(ws_ptr + nb * KB + kb, mask=n_mask & (kb + 0 * offs_n < KB), other=0.0)
+                if KB_STEP == 1:
+                    acc += part * sa[None, :] * sw[:, None]
+                else:
+                    acc = tl.where(kb < KB, acc + part * sa[None, :] * sw[:, None], acc)
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
                        offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
@@ -602,7 +626,9 @@ def _finish_config(cfg: dict, M: int, K: int) -> dict:
     ``"tile"`` (default) or ``"swap"``; ``REDUCE``: how a split-K result (``SPLIT_K > 1``, no
     ``partials``) is reduced, ``"kernel"`` (default: ``_splitk_reduce_kernel``) or
     ``"fused"`` (the last split's program of each tile reduces, see ``_gemm_epilogue``; the
-    same bits, one launch)."""
+    same bits, one launch). ``KB_STEP`` (1, 2 or 4: K blocks per loop iteration, the K range of
+    a split rounded up to a multiple of it) and ``TMA`` (swap kernel only: operands through
+    tensor descriptors) change the schedule, never the sums."""
     KB = _cdiv(K, BLOCK)
     cfg = dict(cfg)
     cfg["KIND"] = "swap" if cfg.get("KIND") == "swap" else "tile"
@@ -611,8 +637,12 @@ def _finish_config(cfg: dict, M: int, K: int) -> dict:
     cfg.setdefault("BLOCK_N", 64)
     cfg.setdefault("num_warps", 4)
     cfg.setdefault("num_stages", 4)
+    step = int(cfg.get("KB_STEP") or 1)
+    cfg["KB_STEP"] = step if step in (1, 2, 4) else 1
+    # TMA (swap kernel, pre-quantized activations only; see _launch_gemm)
+    cfg["TMA"] = bool(cfg.get("TMA")) and cfg["KIND"] == "swap"
     split = max(1, min(int(cfg.get("SPLIT_K", 1)), KB))
-    cfg["kb_per_split"] = _cdiv(KB, split)
+    cfg["kb_per_split"] = _cdiv(_cdiv(KB, split), cfg["KB_STEP"]) * cfg["KB_STEP"]
     cfg["SPLIT_K"] = _cdiv(KB, cfg["kb_per_split"])  # no empty splits
     return cfg
 
@@ -751,7 +781,7 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
         return out.zero_() if K == 0 else out
     base = _gemm_config(M, N, K, _device_sms(x))
     if config:  # an explicit config names its kernel: no KIND / REDUCE means "tile" / "kernel"
-        base = {k: v for k, v in base.items() if k not in ("KIND", "REDUCE")}
+        base = {k: v for k, v in base.items() if k not in ("KIND", "REDUCE", "KB_STEP", "TMA")}
     cfg = _finish_config({**base, **config}, M, K) if config else base
     KB = _cdiv(K, BLOCK)
     split = cfg["SPLIT_K"]
@@ -767,12 +797,20 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
         counters = _tile_counters(x.device, tiles_m * tiles_n)
     grid = (tiles_n, tiles_m, split) if swap else (tiles_m, tiles_n, split)
     kernel = _fp8_gemm_swap_kernel if swap else _fp8_gemm_kernel
+    extra = {"KB_STEP": cfg["KB_STEP"]}
+    xa, wa = x, W_q
+    if swap and cfg["TMA"] and x_s is not None and _tma_ok(x, W_q):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], BLOCK])
+        wa = TensorDescriptor.from_tensor(W_q, [cfg["BLOCK_N"], BLOCK])
+        extra["TMA"] = True
     # unused pointer arguments get stand-ins of the used dtype (one compiled variant fewer)
-    kernel[grid](x, x if x_s is None else x_s, W_q, W_s, work.view(torch.bfloat16) if out is None else out,
+    kernel[grid](xa, x if x_s is None else x_s, wa, W_s, work.view(torch.bfloat16) if out is None else out,
                  x if work is None else work, W_s if counters is None else counters, M, N, K, KB, x.stride(0),
                  N if out is None else out.stride(0), cfg["kb_per_split"], BLOCK_M=cfg["BLOCK_M"],
                  BLOCK_N=cfg["BLOCK_N"], SPLIT_K=split, QUANT_A=x_s is None, FUSED_REDUCE=counters is not None,
-                 **_launch_kwargs(cfg, interpret, x))
+                 **extra, **_launch_kwargs(cfg, interpret, x))
     if split == 1:
         return out
     if partials:
@@ -780,6 +818,12 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
     if counters is None:
         _launch_reduce(work, out, M, N, split)
     return out
+
+
+def _tma_ok(*ts: Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides (and unit inner strides)."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+               and (t.stride(0) * t.element_size()) % 16 == 0 for t in ts)
 
 
 def _launch_reduce(ws: Tensor, out: Tensor, M: int, N: int, split: int) -> None:
