@@ -518,10 +518,7 @@ if HAS_TRITON:
                     sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask & (kb + 0 * offs_m < KB), other=0.0)
                 part = tl.dot(a, b)
                 sb = tl.load(ws_ptr + nb * KB + kb, mask=n_mask & (kb + 0 * offs_n < KB), other=0.0)
-                if KB_STEP == 1:
-                    acc += part * sa[:, None] * sb[None, :]
-                else:
-                    acc = tl.where(kb < KB, acc + part * sa[:, None] * sb[None, :], acc)
+                acc += part * sa[:, None] * sb[None, :]  # a block past KB adds exact zeros
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[:, None] * stride_ym + offs_n[None, :],
                        offs_m[:, None] * N + offs_n[None, :], m_mask[:, None] & n_mask[None, :], M * N, pid_k,
                        pid_m * tl.num_programs(1) + pid_n, SPLIT_K, FUSED_REDUCE)
@@ -539,7 +536,8 @@ if HAS_TRITON:
         fp8 dot in fp32, then ``acc += (dot * sa[m]) * sw[n // 128, kb]``; same epilogue.
 
         KB_STEP: 128-wide K blocks per loop iteration (unrolled; ``kb_per_split`` is a multiple
-        of it, so only the last split runs past KB, where the blocks are skipped): more bytes
+        of it, so only the last split runs past KB, whose blocks load as zeros with zero scales
+        and add exact zeros, the same expression as every other block): more bytes
         in flight per iteration and fewer loop-carried waits on the MMA, the same sums in the
         same order. TMA: ``x_ptr`` / ``w_ptr`` are tensor descriptors with [BLOCK_M, 128] /
         [BLOCK_N, 128] blocks (bulk copies into shared memory, zeros outside the tensor; not with
@@ -576,10 +574,7 @@ if HAS_TRITON:
                     sa = tl.load(xs_ptr + offs_m * KB + kb, mask=m_mask & (kb + 0 * offs_m < KB), other=0.0)
                 part = tl.dot(w, tl.trans(a))  # [BLOCK_N, BLOCK_M]
                 sw = tl.load(ws_ptr + nb * KB + kb, mask=n_mask & (kb + 0 * offs_n < KB), other=0.0)
-                if KB_STEP == 1:
-                    acc += part * sa[None, :] * sw[:, None]
-                else:
-                    acc = tl.where(kb < KB, acc + part * sa[None, :] * sw[:, None], acc)
+                acc += part * sa[None, :] * sw[:, None]  # a block past KB adds exact zeros
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
                        offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
