@@ -132,6 +132,15 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
                             out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk,
                                         "num_warps": 4 if bm * bn <= 64 * 64 else 8, "num_stages": ns,
                                         "KB_STEP": step, "TMA": tma})
+        # ... and with 16/32-token tiles, token tiles fastest in the grid (a weight tile's
+        # programs run together and share its bytes through L2)
+        for bm in (16, 32):
+            for bn in (64, 128):
+                tiles = _cdiv(M, bm) * _cdiv(N, bn)
+                for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=8.0):
+                    for step, ns in ((1, 4), (2, 3)):
+                        out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": 4,
+                                    "num_stages": ns, "KB_STEP": step, "TMA": True, "M_FAST": True})
     else:  # prefill
         for bm, bn, nw in ((64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8)):
             for ns in (3, 4):
@@ -178,6 +187,8 @@ def short(c: dict | None) -> str:
         s += f" x{c['KB_STEP']}"
     if c.get("TMA"):
         s += " tma"
+    if c.get("M_FAST"):
+        s += " mfast"
     return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
 
 

@@ -528,7 +528,7 @@ if HAS_TRITON:
                               stride_ym, kb_per_split,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                               QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False,
-                              KB_STEP: tl.constexpr = 1, TMA: tl.constexpr = False):
+                              KB_STEP: tl.constexpr = 1, TMA: tl.constexpr = False, M_FAST: tl.constexpr = False):
         """KIND "swap" (decode, small M): the transposed tile ``acc[BLOCK_N, BLOCK_M] =
         W_tile @ x_tile^T`` so the weight rows (64-256) sit on the MMA's M axis (wgmma on
         sm_90) and the few tokens on its N axis; grid (n tiles, m tiles, SPLIT_K). The same
@@ -541,10 +541,17 @@ if HAS_TRITON:
         in flight per iteration and fewer loop-carried waits on the MMA, the same sums in the
         same order. TMA: ``x_ptr`` / ``w_ptr`` are tensor descriptors with [BLOCK_M, 128] /
         [BLOCK_N, 128] blocks (bulk copies into shared memory, zeros outside the tensor; not with
-        QUANT_A)."""
+        QUANT_A). M_FAST: grid (m tiles, n tiles, SPLIT_K), so the programs of one weight tile
+        for all token tiles launch together and share its bytes through L2."""
         pdl_enter(PDL)
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        if M_FAST:
+            pid_m = tl.program_id(0)
+            pid_n = tl.program_id(1)
+            n_tiles = tl.num_programs(1)
+        else:
+            pid_n = tl.program_id(0)
+            pid_m = tl.program_id(1)
+            n_tiles = tl.num_programs(0)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -577,7 +584,7 @@ if HAS_TRITON:
                 acc += part * sa[None, :] * sw[:, None]  # a block past KB adds exact zeros
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
                        offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
-                       pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
+                       pid_m * n_tiles + pid_n, SPLIT_K, FUSED_REDUCE)
 
     @triton.jit
     def _splitk_reduce_kernel(ws_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
@@ -622,8 +629,9 @@ def _finish_config(cfg: dict, M: int, K: int) -> dict:
     ``partials``) is reduced, ``"kernel"`` (default: ``_splitk_reduce_kernel``) or
     ``"fused"`` (the last split's program of each tile reduces, see ``_gemm_epilogue``; the
     same bits, one launch). ``KB_STEP`` (1, 2 or 4: K blocks per loop iteration, the K range of
-    a split rounded up to a multiple of it) and ``TMA`` (swap kernel only: operands through
-    tensor descriptors) change the schedule, never the sums."""
+    a split rounded up to a multiple of it), ``TMA`` (swap kernel only: operands through
+    tensor descriptors) and ``M_FAST`` (swap kernel only: token tiles fastest in the grid)
+    change the schedule, never the sums."""
     KB = _cdiv(K, BLOCK)
     cfg = dict(cfg)
     cfg["KIND"] = "swap" if cfg.get("KIND") == "swap" else "tile"
@@ -636,6 +644,7 @@ def _finish_config(cfg: dict, M: int, K: int) -> dict:
     cfg["KB_STEP"] = step if step in (1, 2, 4) else 1
     # TMA (swap kernel, pre-quantized activations only; see _launch_gemm)
     cfg["TMA"] = bool(cfg.get("TMA")) and cfg["KIND"] == "swap"
+    cfg["M_FAST"] = bool(cfg.get("M_FAST")) and cfg["KIND"] == "swap"  # grid order, see the swap kernel
     split = max(1, min(int(cfg.get("SPLIT_K", 1)), KB))
     cfg["kb_per_split"] = _cdiv(_cdiv(KB, split), cfg["KB_STEP"]) * cfg["KB_STEP"]
     cfg["SPLIT_K"] = _cdiv(KB, cfg["kb_per_split"])  # no empty splits
@@ -776,7 +785,7 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
         return out.zero_() if K == 0 else out
     base = _gemm_config(M, N, K, _device_sms(x))
     if config:  # an explicit config names its kernel: no KIND / REDUCE means "tile" / "kernel"
-        base = {k: v for k, v in base.items() if k not in ("KIND", "REDUCE", "KB_STEP", "TMA")}
+        base = {k: v for k, v in base.items() if k not in ("KIND", "REDUCE", "KB_STEP", "TMA", "M_FAST")}
     cfg = _finish_config({**base, **config}, M, K) if config else base
     KB = _cdiv(K, BLOCK)
     split = cfg["SPLIT_K"]
@@ -790,9 +799,9 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
     counters = None
     if split > 1 and not partials and cfg["REDUCE"] == "fused":
         counters = _tile_counters(x.device, tiles_m * tiles_n)
-    grid = (tiles_n, tiles_m, split) if swap else (tiles_m, tiles_n, split)
+    grid = (tiles_n, tiles_m, split) if swap and not cfg["M_FAST"] else (tiles_m, tiles_n, split)
     kernel = _fp8_gemm_swap_kernel if swap else _fp8_gemm_kernel
-    extra = {"KB_STEP": cfg["KB_STEP"]}
+    extra = {"KB_STEP": cfg["KB_STEP"], **({"M_FAST": True} if cfg["M_FAST"] else {})}
     xa, wa = x, W_q
     if swap and cfg["TMA"] and x_s is not None and _tma_ok(x, W_q):
         from triton.tools.tensor_descriptor import TensorDescriptor
