@@ -114,11 +114,13 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
                             out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk,
                                         "num_warps": nw, "num_stages": ns, "KB_STEP": step, "TMA": tma})
     elif M <= 128:
-        for bm, bn, nw in ((64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (128, 256, 8)):
+        # (narrow 32-row tiles and deeper splits: more programs per SM to overlap each one's
+        # MMA -> scale chain, which bounds these cells rather than the weight stream)
+        for bm, bn, nw in ((64, 32, 4), (64, 64, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8), (128, 256, 8)):
             if bm > 64 and M <= 64:
                 continue
             tiles = _cdiv(M, bm) * _cdiv(N, bn)
-            for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=4.0):
+            for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=8.0):
                 for ns in (3, 4):
                     out.append({"KIND": "tile", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw,
                                 "num_stages": ns})
