@@ -11,6 +11,25 @@ from shoal.engine.sampling import (NoiseSource, SamplingParams, apply_repetition
                                    race, s1_logits_to_probs, sample_s2)
 
 
+def assert_kept_set(kept: torch.Tensor, want: torch.Tensor, nucleus_logits: torch.Tensor, top_p: float,
+                    name: str) -> None:
+    """``kept`` equals the reference's kept ids ``want``, except for tokens whose cumulative
+    probability (exact, float64) lies within summation rounding (1e-5) of ``top_p``: there the
+    last bits of the fp32 softmax + cumsum depend on the CPU's vector width (the same PyTorch
+    build rounds differently with AVX2 and AVX-512 kernels, ``ATEN_CPU_CAPABILITY``), in the
+    reference exactly as here; top_p = 1.0 keeps or drops a tail of ~1e-9-probability tokens by
+    whether the rounded sum passes 1.0 (golden README, quirk 7)."""
+    if torch.equal(kept, want):
+        return
+    sl, si = torch.sort(nucleus_logits.double(), descending=True)
+    cum = torch.cumsum(torch.softmax(sl, -1), -1)
+    rank = torch.empty_like(si)
+    rank[si] = torch.arange(si.numel())
+    diff = sorted(set(kept.tolist()) ^ set(want.tolist()))
+    off = [d for d in diff if abs(float(cum[rank[d]]) - top_p) > 1e-5]
+    assert not off, (name, f"{len(diff)} ids differ, {len(off)} of them away from the top_p boundary", off[:5])
+
+
 def _settings(folder: str, dt: str):
     return json.loads((GOLDEN / folder / "outputs" / f"summary_{dt}.json").read_text())["sampling"]["settings"]
 
@@ -23,9 +42,13 @@ def test_s2_kept_sets_and_tokens(dt, dtype):
     for s in _settings("s2_tiny", dt):
         probs = logits_to_probs(logits, s["temperature"], s["top_p"], s["top_k"])[0]
         kept = torch.nonzero(probs > 0).flatten()
-        assert torch.equal(kept, gold[f"{s['name']}.kept_ids"].long()), s["name"]
+        want = gold[f"{s['name']}.kept_ids"].long()
+        if s["top_k"] and s["top_k"] < logits.shape[-1]:  # top_k cuts before any boundary
+            assert torch.equal(kept, want), s["name"]
+        else:
+            assert_kept_set(kept, want, logits[0].float(), float(s["top_p"]), s["name"])
         if dt == "fp32":
-            assert torch.allclose(probs[kept], gold[f"{s['name']}.kept_probs"], rtol=1e-6, atol=1e-7)
+            assert torch.allclose(probs[want], gold[f"{s['name']}.kept_probs"], rtol=1e-6, atol=1e-7)
             for seed, want in enumerate(s["tokens_per_seed"]):
                 q = -torch.log(gold[f"noise_seed{seed}"])
                 assert int(race(probs[None], q[None])) == want, (s["name"], seed)
@@ -52,7 +75,8 @@ def test_s1_sampling_golden():
             assert torch.equal(pen, gold[f"{s['name']}.penalized_logits"]), s["name"]
         probs = s1_logits_to_probs(logits, s["temperature"], s["top_p"], s["repetition_penalty"], w)[0]
         kept = torch.nonzero(probs > 0).flatten()
-        assert torch.equal(kept, gold[f"{s['name']}.kept_ids"].long()), s["name"]
+        nucleus = apply_repetition_penalty(logits, s["repetition_penalty"], w)[0] if w is not None else logits[0]
+        assert_kept_set(kept, gold[f"{s['name']}.kept_ids"].long(), nucleus, float(s["top_p"]), s["name"])
         for seed, want in enumerate(s["tokens_per_seed"]):
             assert int(race(probs[None], gold[f"noise_seed{seed}"][None])) == want, (s["name"], seed)
 
