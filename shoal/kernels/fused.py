@@ -301,6 +301,9 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < n_cols
+        # every load is issued before the first reduction: a load after it would wait for the
+        # reduction's barrier and then pay its own memory round trip (a latency-bound kernel)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         h = _load_gemm_out(x_ptr + row * stride_x + offs, m, stride_xs, SPLIT)
         if HAS_RES:
             r = tl.load(r_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
@@ -313,7 +316,6 @@ if HAS_TRITON:
             ms = ss * inv_n
         rs = tl.math.rsqrt(ms + eps)
         normed = _round(h * rs, HDT)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         o = _round(normed * w, ODT)
         if STORE_OUT:
             tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
@@ -366,6 +368,17 @@ if HAS_TRITON:
         is_k = jv >= N_HEAD
 
         pos = tl.load(pos_ptr + t).to(tl.int64)
+        # the slot and the V row are loaded up front, so their round trips overlap the q/k ones
+        # (loads after the norm's reduction would each wait for it); the V load ignores the
+        # slot (a padding row's V is read and never stored)
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        d = tl.arange(0, HEAD_DIM)
+        vsrc = qkv_ptr + t * stride_qkv + (j + N_KV) * HEAD_DIM + d
+        vload = (d * 0 + j) >= N_HEAD
+        if KV_FP8 or SPLIT > 1:
+            vf = _load_gemm_out(vsrc, vload, stride_qkv_s, SPLIT)  # fp32 (the model-dtype value)
+        else:
+            vraw = tl.load(vsrc, mask=vload, other=0.0)
         cs = cs_ptr + pos * stride_cs_p + i * stride_cs_i
         cos = tl.load(cs).to(tl.float32)
         sin = tl.load(cs + stride_cs_c).to(tl.float32)
@@ -397,7 +410,6 @@ if HAS_TRITON:
         tl.store(qdst, oa.to(q_ptr.dtype.element_ty), mask=is_q)
         tl.store(qdst + 1, ob.to(q_ptr.dtype.element_ty), mask=is_q)
 
-        slot = tl.load(slot_ptr + t).to(tl.int64)
         kvh = j - N_HEAD
         wmask = is_k & ((i * 0 + slot) >= 0)  # negative slot: padding row, nothing written
         kdst = kc_ptr + slot * stride_kc_s + kvh * stride_kc_h + 2 * i
@@ -410,20 +422,17 @@ if HAS_TRITON:
         else:
             tl.store(kdst, oa.to(kc_ptr.dtype.element_ty), mask=wmask)
             tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=wmask)
-        d = tl.arange(0, HEAD_DIM)
-        dmask = ((d * 0 + j) >= N_HEAD) & ((d * 0 + slot) >= 0)
-        vsrc = qkv_ptr + t * stride_qkv + (j + N_KV) * HEAD_DIM + d
+        dmask = vload & ((d * 0 + slot) >= 0)
         vdst = vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d
         if KV_FP8:
-            vf = _load_gemm_out(vsrc, dmask, stride_qkv_s, SPLIT)  # fp32 (the model-dtype value)
             vqs, vsc = _e4m3_scale(tl.zeros([HEAD_DIM], tl.float32) + tl.max(tl.abs(vf), 0))
             tl.store(vdst, _e4m3(vf, vqs), mask=dmask)
             tl.store(vs_ptr + slot * stride_sc_s + kvh + d * 0, vsc, mask=dmask & (d == 0))
         else:
             if SPLIT == 1:
-                v = tl.load(vsrc, mask=dmask, other=0.0)
+                v = vraw
             else:
-                v = _load_gemm_out(vsrc, dmask, stride_qkv_s, SPLIT).to(vc_ptr.dtype.element_ty)
+                v = vf.to(vc_ptr.dtype.element_ty)
             tl.store(vdst, v, mask=dmask)
 
     def _silu_mul_kernel(
@@ -472,14 +481,14 @@ if HAS_TRITON:
                     mask=gm[:, None], other=0.0).to(tl.float32)
         k = tl.load(k_ptr + b * stride_kb + n[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                     mask=nm[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                    mask=nm[:, None], other=0.0).to(tl.float32)  # before the reductions: one round trip
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, LEN_PAD]
         s = tl.where(nm[None, :], s, float("-inf"))
         mx = tl.max(s, axis=1)
         p = tl.exp(s - mx[:, None])
         p = tl.where(nm[None, :], p, 0.0)
         den = tl.sum(p, axis=1)
-        v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=nm[:, None], other=0.0).to(tl.float32)
         o = tl.sum(p[:, :, None] * v[None, :, :], axis=1) / den[:, None]
         o = _round(o, DT)
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],

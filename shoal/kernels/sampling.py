@@ -222,19 +222,25 @@ if HAS_TRITON:
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
         x, offs, key = _row(logits_ptr + row.to(tl.int64) * stride_l, A, BLOCK, ROUND)
+        # every per-request value is loaded before the first reduction (a load after one waits
+        # for it and then pays its own round trip)
         counter = tl.load(frame_ptr + slot) * DRAWS
         seed = tl.load(seed_ptr + slot)
         greedy = tl.load(greedy_ptr + slot).to(tl.int32)
-        k = tl.where(greedy != 0, 1, tl.load(top_k_ptr + slot))  # greedy rows: no nucleus walk
-        thr_n, thr_h = _nucleus(x, key, A, k, tl.load(top_p_ptr + slot), tl.load(ras_top_p_ptr + slot), True,
-                                ROUND, ACCURATE, ROUND, WALK_MAX)
-        normal = _race(x, offs, key, thr_n, tl.load(temp_ptr + slot), _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
-        high = _race(x, offs, key, thr_h, tl.load(ras_temp_ptr + slot), _draw_key(seed, counter + 1), TMIN,
-                     ROUND, ACCURATE)
-        top1 = _first_argmax(x, offs)
+        top_k = tl.load(top_k_ptr + slot)
+        top_p = tl.load(top_p_ptr + slot)
+        ras_top_p = tl.load(ras_top_p_ptr + slot)
+        temp = tl.load(temp_ptr + slot)
+        ras_temp = tl.load(ras_temp_ptr + slot)
         wo = tl.arange(0, W)
         win = tl.load(window_ptr + slot * stride_w + wo)
-        live = wo >= W - tl.load(ras_window_ptr + slot)
+        ras_window = tl.load(ras_window_ptr + slot)
+        k = tl.where(greedy != 0, 1, top_k)  # greedy rows: no nucleus walk
+        thr_n, thr_h = _nucleus(x, key, A, k, top_p, ras_top_p, True, ROUND, ACCURATE, ROUND, WALK_MAX)
+        normal = _race(x, offs, key, thr_n, temp, _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
+        high = _race(x, offs, key, thr_h, ras_temp, _draw_key(seed, counter + 1), TMIN, ROUND, ACCURATE)
+        top1 = _first_argmax(x, offs)
+        live = wo >= W - ras_window
         repeated = tl.max(((win == normal) & live).to(tl.int32), 0) > 0
         use_high = repeated & (normal < n_sem) & (greedy == 0)
         choice = tl.where(greedy != 0, top1, tl.where(use_high, high, normal))
@@ -259,10 +265,12 @@ if HAS_TRITON:
         counter = tl.load(frame_ptr + slot) * DRAWS + draw
         top_p = tl.load(top_p_ptr + slot)
         greedy = tl.load(greedy_ptr + slot).to(tl.int32)
-        k = tl.where(greedy != 0, 1, tl.load(top_k_ptr + slot))  # greedy rows: no nucleus walk
+        top_k = tl.load(top_k_ptr + slot)
+        temp = tl.load(temp_ptr + slot)  # loaded before the first reduction, as in the main kernel
+        seed = tl.load(seed_ptr + slot)
+        k = tl.where(greedy != 0, 1, top_k)  # greedy rows: no nucleus walk
         thr, _ = _nucleus(x, key, n, k, top_p, top_p, False, ROUND, ACCURATE, ROUND, WALK_MAX)
-        pick = _race(x, offs, key, thr, tl.load(temp_ptr + slot), _draw_key(tl.load(seed_ptr + slot), counter),
-                     TMIN, ROUND, ACCURATE)
+        pick = _race(x, offs, key, thr, temp, _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
         top1 = _first_argmax(x, offs)
         code = tl.where(greedy != 0, top1, pick)
         tl.store(cols_ptr + row * stride_c + col, code.to(tl.int64))
