@@ -120,8 +120,10 @@ def test_packaged_table_is_well_formed():
                 assert c["BLOCK_K"] in (32, 64, 128, 256) and c["SPLIT_K"] >= 1
 
 
-def test_tuner_search_space():
+def test_tuner_search_space(monkeypatch):
     from shoal.bench import tune_dense
+
+    monkeypatch.setattr(tune_dense, "pdl_enabled", lambda: True)  # as on an H200 (PREFETCH needs PDL)
 
     for M in (1, 4, 16, 32, 64, 128):
         for N, K in ((19456, 2560), (2560, 9728), (4097, 2560), (1024, 2560)):
@@ -132,6 +134,10 @@ def test_tuner_search_space():
                 assert c["num_stages"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
             keys = [json.dumps(dense.finish_config(c, K), sort_keys=True) for c in cands]
             assert len(keys) == len(set(keys))  # no launch timed twice
+            assert not any(c.get("PREFETCH") or c.get("KIND") == "tile" for c in cands)  # opt-in dimensions
+            wide = tune_dense.candidates(M, N, K, prefetch=True, tile=True)
+            assert any(c.get("KIND") == "tile" for c in wide) if M >= 64 else any(c.get("PREFETCH") for c in wide)
+            assert len(wide) > len(cands)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")

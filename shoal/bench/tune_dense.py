@@ -38,14 +38,15 @@ SMEM = 200 * 1024  # H200: 227 KB of shared memory per block; leave room for the
 DEV = "cuda"
 
 
-def candidates(M: int, N: int, K: int) -> list[dict]:
+def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
-    give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads, and (with
-    PDL, M <= 32) with pointer loads whose first 1,024 weight columns are prefetched into L2
-    before the kernel waits for its predecessor; for M >= 64 also TMA launches with the tokens on
-    the MMA's M axis (``KIND`` "tile")."""
+    give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads. Opt-in
+    (measured on the H200 on 2026-12-02 to win 1 of 28 cells and 0 of 28, and to double the
+    compile time): ``prefetch`` (with PDL, M <= 32) pointer loads whose first 1,024 weight
+    columns are prefetched into L2 before the kernel waits for its predecessor; ``tile`` (M >=
+    64) TMA launches with the tokens on the MMA's M axis (``KIND`` "tile")."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
@@ -65,12 +66,12 @@ def candidates(M: int, N: int, K: int) -> list[dict]:
                         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                                     "num_stages": ns})
     with_pf = []
-    if pdl_enabled() and bm <= 32:  # pointer loads with the weights' first columns prefetched before the PDL wait
+    if prefetch and pdl_enabled() and bm <= 32:  # pointer loads with the weights' first columns prefetched before the PDL wait
         with_pf = [{**c, "PREFETCH": 1024} for c in out]
-    tile = []  # M >= 64: TMA loads with the tokens on the MMA's M axis (wide wgmma: 128-256 weight rows)
-    if bm >= 64:
-        tile = [{**c, "TMA": True, "KIND": "tile"} for c in out if c["BLOCK_N"] >= 128]
-    out += [{**c, "TMA": True} for c in out] + with_pf + tile  # the same launches with TMA operand loads
+    tiled = []  # M >= 64: TMA loads with the tokens on the MMA's M axis (wide wgmma: 128-256 weight rows)
+    if tile and bm >= 64:
+        tiled = [{**c, "TMA": True, "KIND": "tile"} for c in out if c["BLOCK_N"] >= 128]
+    out += [{**c, "TMA": True} for c in out] + with_pf + tiled  # the same launches with TMA operand loads
     seen, uniq = set(), []
     for c in out:
         key = json.dumps(dense.finish_config(c, K), sort_keys=True)
@@ -168,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-gain", type=float, default=0.03,
                     help="keep a config only when it is this fraction faster than cuBLAS")
     ap.add_argument("--max-candidates", type=int, default=0, help="debug: at most this many per cell")
+    ap.add_argument("--prefetch", action="store_true", help="also try the L2-prefetch-before-PDL-wait variants (M <= 32)")
+    ap.add_argument("--tile", action="store_true", help="also try KIND tile (tokens on the MMA's M axis, M >= 64)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         _log("tune_dense: CUDA not available; nothing to tune")
@@ -184,7 +187,7 @@ def main(argv=None) -> int:
     for name in names:
         N, K = SHAPES[name]
         for M in ms:
-            cands = candidates(M, N, K)
+            cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile)
             plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
     _log(f"tune_dense: {len(plan)} cells, {sum(len(p[4]) for p in plan)} candidates")
     if args.jobs > 0:
