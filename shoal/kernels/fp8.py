@@ -539,7 +539,8 @@ if HAS_TRITON:
         of it, so only the last split runs past KB, whose blocks load as zeros with zero scales
         and add exact zeros, the same expression as every other block): more bytes
         in flight per iteration and fewer loop-carried waits on the MMA, the same sums in the
-        same order. TMA: ``x_ptr`` / ``w_ptr`` are tensor descriptors with [BLOCK_M, 128] /
+        same order for the same split boundaries (rounding a split's range up to a multiple of
+        KB_STEP can move them, see ``_finish_config``). TMA: ``x_ptr`` / ``w_ptr`` are tensor descriptors with [BLOCK_M, 128] /
         [BLOCK_N, 128] blocks (bulk copies into shared memory, zeros outside the tensor; not with
         QUANT_A). M_FAST: grid (m tiles, n tiles, SPLIT_K), so the programs of one weight tile
         for all token tiles launch together and share its bytes through L2."""
@@ -630,8 +631,10 @@ def _finish_config(cfg: dict, M: int, K: int) -> dict:
     ``"fused"`` (the last split's program of each tile reduces, see ``_gemm_epilogue``; the
     same bits, one launch). ``KB_STEP`` (1, 2 or 4: K blocks per loop iteration, the K range of
     a split rounded up to a multiple of it), ``TMA`` (swap kernel only: operands through
-    tensor descriptors) and ``M_FAST`` (swap kernel only: token tiles fastest in the grid)
-    change the schedule, never the sums."""
+    tensor descriptors; pre-quantized activations only, a prologue-quantized launch uses pointer
+    loads) and ``M_FAST`` (swap kernel only: token tiles fastest in the grid) change the
+    schedule, not the sums -- except that the rounding of a split's range to KB_STEP blocks can
+    move the split boundaries (and the split count), and so the fp32 partials."""
     KB = _cdiv(K, BLOCK)
     cfg = dict(cfg)
     cfg["KIND"] = "swap" if cfg.get("KIND") == "swap" else "tile"
@@ -686,8 +689,8 @@ def set_tuned_table(path=None) -> None:
 def _tuned_table() -> dict:
     """``fp8_tuned.json`` beside this file (or :func:`set_tuned_table`'s / ``$SHOAL_FP8_TUNED``'s
     path): ``{"N,K": {"M": config}}`` measured on an H200 by ``python -m shoal.bench.tune_fp8``
-    (M = the largest M of a bucket; see that module). A config may carry ``KIND`` and
-    ``REDUCE`` (:func:`_finish_config`)."""
+    (M = the largest M of a bucket; see that module). A config may carry ``KIND``, ``REDUCE``,
+    ``KB_STEP``, ``TMA`` and ``M_FAST`` (:func:`_finish_config`)."""
     import json
     import os
     from pathlib import Path
