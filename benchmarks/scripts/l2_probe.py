@@ -4,10 +4,12 @@ forked stream, overlapping latency-bound kernels (simulated by torch.cuda._sleep
 
     OUT=DIR PYTHONPATH=. python benchmarks/scripts/l2_probe.py
 """
-import json, os, statistics, sys
+import json
+import os
 import torch
 import triton
 import triton.language as tl
+from shoal.bench.kernels_fp8 import time_graph
 from shoal.kernels import dense, fp8
 
 @triton.jit
@@ -38,22 +40,8 @@ def prefetch(t, nbytes, mode):
         _pf_bulk[(triton.cdiv(nbytes, CH * 32),)](t, nbytes, CHUNK=CH, num_warps=1)
 
 def run_graph(body, iters=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Median microseconds of one CUDA-graph replay of ``body`` (the benchmarks' timer)."""
+    return time_graph([body], iters)
 
 SHAPES = {"wqkv": (6144, 2560), "wo": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
 res = {}

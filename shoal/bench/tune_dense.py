@@ -43,8 +43,8 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
     give 0.5-6 waves (0.3-6 for M >= 64); each with pointer loads and with TMA loads. Opt-in
-    (measured on the H200 on 2026-12-02 to win 1 of 28 cells and 0 of 28, and to double the
-    compile time): ``prefetch`` (with PDL, M <= 32) pointer loads whose first 1,024 weight
+    (measured on the H200 on 2026-12-02 to win 1 of the 20 cells at M <= 32 and none of the 8 at
+    M >= 64, for about half again the compiles): ``prefetch`` (with PDL, M <= 32) pointer loads whose first 1,024 weight
     columns are prefetched into L2 before the kernel waits for its predecessor; ``tile`` (M >=
     64) TMA launches with the tokens on the MMA's M axis (``KIND`` "tile")."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))

@@ -124,25 +124,18 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
                 for ns in (3, 4):
                     out.append({"KIND": "tile", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw,
                                 "num_stages": ns})
-        # the swap kernel with a whole token tile (64 or 128 on the MMA's N axis)
-        for bm in sorted({64, fp8._pow2(M)}):
+        # the swap kernel with a whole token tile (64 or 128 tokens on the MMA's N axis), pointer
+        # or TMA loads; and with 16/32-token tiles launched token-tile-fastest (M_FAST: a weight
+        # tile's programs run together and share its bytes through L2), TMA loads
+        for bm, m_fast in [(b, False) for b in sorted({64, fp8._pow2(M)})] + [(16, True), (32, True)]:
             for bn in (64, 128):
                 tiles = _cdiv(M, bm) * _cdiv(N, bn)
-                for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=4.0):
+                for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=8.0 if m_fast else 4.0):
                     for step, ns in ((1, 4), (2, 3)):
-                        for tma in (False, True):
+                        for tma in (True,) if m_fast else (False, True):
                             out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk,
                                         "num_warps": 4 if bm * bn <= 64 * 64 else 8, "num_stages": ns,
-                                        "KB_STEP": step, "TMA": tma})
-        # ... and with 16/32-token tiles, token tiles fastest in the grid (a weight tile's
-        # programs run together and share its bytes through L2)
-        for bm in (16, 32):
-            for bn in (64, 128):
-                tiles = _cdiv(M, bm) * _cdiv(N, bn)
-                for sk in _splits(KB, tiles, options=(1, 2, 4), lo=0.0, hi=8.0):
-                    for step, ns in ((1, 4), (2, 3)):
-                        out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": 4,
-                                    "num_stages": ns, "KB_STEP": step, "TMA": True, "M_FAST": True})
+                                        "KB_STEP": step, "TMA": tma, **({"M_FAST": True} if m_fast else {})})
     else:  # prefill
         for bm, bn, nw in ((64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8)):
             for ns in (3, 4):

@@ -804,14 +804,16 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
         counters = _tile_counters(x.device, tiles_m * tiles_n)
     grid = (tiles_n, tiles_m, split) if swap and not cfg["M_FAST"] else (tiles_m, tiles_n, split)
     kernel = _fp8_gemm_swap_kernel if swap else _fp8_gemm_kernel
-    extra = {"KB_STEP": cfg["KB_STEP"], **({"M_FAST": True} if cfg["M_FAST"] else {})}
+    extra = {"KB_STEP": cfg["KB_STEP"]}
     xa, wa = x, W_q
-    if swap and cfg["TMA"] and x_s is not None and _tma_ok(x, W_q):
-        from triton.tools.tensor_descriptor import TensorDescriptor
+    if swap:
+        tma = cfg["TMA"] and x_s is not None and _tma_ok(x, W_q)
+        if tma:
+            from triton.tools.tensor_descriptor import TensorDescriptor
 
-        xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], BLOCK])
-        wa = TensorDescriptor.from_tensor(W_q, [cfg["BLOCK_N"], BLOCK])
-        extra["TMA"] = True
+            xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], BLOCK])
+            wa = TensorDescriptor.from_tensor(W_q, [cfg["BLOCK_N"], BLOCK])
+        extra.update(TMA=tma, M_FAST=cfg["M_FAST"])
     # unused pointer arguments get stand-ins of the used dtype (one compiled variant fewer)
     kernel[grid](xa, x if x_s is None else x_s, wa, W_s, work.view(torch.bfloat16) if out is None else out,
                  x if work is None else work, W_s if counters is None else counters, M, N, K, KB, x.stride(0),
