@@ -31,6 +31,15 @@ CASES = {  # name -> (M, N, K, config)
     "tma_m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True}),
     "tma_tile_m40_ragged": (40, 70, 200, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True,
                                           "KIND": "tile"}),
+    # stream-K: 7 programs over 2 x 6 = 12 (tile, K block) iterations (tiles shared by 2-3
+    # programs, one tile whole), and over 4 x 4 with ragged N and K, pointers and TMA
+    "streamk_m3_p7": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "KIND": "streamk", "PROGRAMS": 7}),
+    "streamk_m17_ragged": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "KIND": "streamk",
+                                         "PROGRAMS": 5}),
+    "streamk_tma_m40_p3": (40, 70, 200, {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "KIND": "streamk",
+                                         "PROGRAMS": 3, "TMA": True}),
+    "streamk_one_per_tile": (5, 64, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "KIND": "streamk",
+                                          "PROGRAMS": 2}),
 }
 
 
@@ -53,6 +62,18 @@ def _case(M, N, K, cfg):
     wide = torch.zeros(M, K + 64).bfloat16()
     wide[:, :K] = x
     flags["strided_rows"] = torch.equal(dense.dense_gemm_triton(wide[:, :K], w, config=cfg), y)
+    if cfg.get("KIND") == "streamk":
+        # the partials are summed in K order: the same bits as the split-K kernel whose
+        # splits are the stream-K segments (here: every tile's whole K in one program, or the
+        # order-independent integer case above); and every arrival counter is back to 0
+        from shoal.kernels import fp8
+
+        counters = fp8._counters.get(("cpu", None))
+        flags["counters_reset"] = counters is None or not bool(counters.any())
+        flags["deterministic"] = torch.equal(dense.dense_gemm_triton(x, w, config=cfg), y)
+        if dense.streamk_plan(M, N, K, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["PROGRAMS"])[4] == 1:
+            plain = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+            flags["whole_tiles_equal_plain"] = torch.equal(dense.dense_gemm_triton(x, w, config=plain), y)
     return {"checks": checks, "flags": flags}
 
 
@@ -85,6 +106,23 @@ def test_finish_config_splits_in_whole_blocks():
     assert c["k_per_split"] % 128 == 0 and c["SPLIT_K"] * c["k_per_split"] >= 9728
     assert (c["SPLIT_K"] - 1) * c["k_per_split"] < 9728  # no empty split
     assert dense.finish_config({"BLOCK_K": 64, "SPLIT_K": 99}, 256)["SPLIT_K"] == 4
+
+
+def test_streamk_plan_matches_a_direct_count():
+    # the contributors of every tile, counted by walking each program's range
+    for M, N, K, bm, bn, bk, p in ((1, 2560, 9728, 16, 64, 128, 132), (64, 6144, 2560, 64, 64, 128, 132),
+                                   (3, 64, 384, 16, 32, 64, 7), (1, 96, 256, 16, 32, 64, 1000)):
+        tiles_n, kbt, iters, progs, maxc = dense.streamk_plan(M, N, K, bm, bn, bk, p)
+        assert progs == min(p, iters) and iters == kbt * tiles_n * -(-M // bm)
+        owners: dict[int, set] = {}
+        for q in range(progs):
+            for i in range(q * iters // progs, (q + 1) * iters // progs):
+                owners.setdefault(i // kbt, set()).add(q)
+        assert maxc == max(len(v) for v in owners.values())
+        assert all(sorted(v) == list(range(min(v), max(v) + 1)) for v in owners.values())
+    c = dense.finish_config({"KIND": "streamk", "BLOCK_K": 128, "SPLIT_K": 4, "PREFETCH": 512}, 9728)
+    assert c["KIND"] == "streamk" and c["SPLIT_K"] == 1 and c["PROGRAMS"] == dense.TUNED_SMS and c["PREFETCH"] == 0
+    assert "PROGRAMS" not in dense.finish_config({"PROGRAMS": 7}, 256)
 
 
 def test_prefetch_option_is_normalized():
@@ -186,7 +224,11 @@ def test_gpu_kernel_matches_reference(M, N, K):
                 {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREFETCH": 1024},
                 {"BLOCK_M": max(bm, 64), "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True,
-                 "KIND": "tile"}):
+                 "KIND": "tile"},
+                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 132, "TMA": True},
+                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 264},
+                {"BLOCK_M": bm, "BLOCK_N": 128, "BLOCK_K": 64, "KIND": "streamk", "PROGRAMS": 132, "num_stages": 5,
+                 "TMA": True}):
         y = dense.dense_gemm_triton(x, w, config=cfg)
         assert _rel(y, ref) <= 2.0 ** -7, cfg
     assert _rel(dense.dense_linear(x, w), ref) <= 2.0 ** -7  # the table's choice (or cuBLAS)
@@ -205,7 +247,8 @@ def test_gpu_cuda_graph_replay_bit_exact():
     cfgs = [{"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8},
             {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "TMA": True},
-            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PREFETCH": 512}]
+            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PREFETCH": 512},
+            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 132, "TMA": True}]
 
     def step():
         return [dense.dense_gemm_triton(x, w, config=c) for c in cfgs]

@@ -30,7 +30,7 @@ from shoal.kernels import dense
 from shoal.kernels.paged_attention import pdl_enabled
 
 from .kernels_fp8 import SHAPES, _log, time_graph
-from .tune_fp8 import _cdiv, _splits
+from .tune_fp8 import SMS, _cdiv, _splits
 
 TUNE_SHAPES = ("gate_up", "wqkv", "wo", "down", "semantic_head", "fast_head")
 MS = (1, 4, 16, 32, 64, 128)
@@ -38,7 +38,11 @@ SMEM = 200 * 1024  # H200: 227 KB of shared memory per block; leave room for the
 DEV = "cuda"
 
 
-def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False) -> list[dict]:
+SMEM_SM = 227 * 1024  # shared memory per SM: how many stream-K programs can be resident at once
+
+
+def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False,
+               streamk: bool = True) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
@@ -46,7 +50,9 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     (measured on the H200 on 2026-12-02 to win 1 of the 20 cells at M <= 32 and none of the 8 at
     M >= 64, for about half again the compiles): ``prefetch`` (with PDL, M <= 32) pointer loads whose first 1,024 weight
     columns are prefetched into L2 before the kernel waits for its predecessor; ``tile`` (M >=
-    64) TMA launches with the tokens on the MMA's M axis (``KIND`` "tile")."""
+    64) TMA launches with the tokens on the MMA's M axis (``KIND`` "tile"). ``streamk``
+    (default on): the same tiles as stream-K launches (``KIND`` "streamk") of 1, 2 or 3
+    programs per SM (as many as fit its shared memory at once), at least 2 K blocks each."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
@@ -65,6 +71,16 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
                     if ns * per_stage <= SMEM:
                         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                                     "num_stages": ns})
+            if not streamk:
+                continue
+            iters = tiles * _cdiv(K, bk)
+            for ns in (3, 4, 5):
+                for occ in (1, 2, 3):
+                    progs = occ * SMS
+                    if (ns * per_stage <= SMEM and occ * (ns * per_stage + 8 * 1024) <= SMEM_SM
+                            and iters >= 2 * progs):
+                        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "KIND": "streamk",
+                                    "PROGRAMS": progs, "num_warps": nw, "num_stages": ns})
     with_pf = []
     if prefetch and pdl_enabled() and bm <= 32:  # pointer loads with the weights' first columns prefetched before the PDL wait
         with_pf = [{**c, "PREFETCH": 1024} for c in out]
@@ -93,6 +109,8 @@ def short(c: dict | None) -> str:
         s += f" pf{c['PREFETCH']}"
     if c.get("KIND") == "tile":
         s += " tile"
+    if c.get("KIND") == "streamk":
+        s += f" sk-p{c.get('PROGRAMS')}"
     return s + f" w{c.get('num_warps', 4)}s{c.get('num_stages', 4)}"
 
 
@@ -118,6 +136,7 @@ def precompile(plan: list, n_jobs: int) -> None:
         spec = ("M1" if M == 1 else "M16" if M % 16 == 0 else "Mx", N % 16 == 0, K % 16 == 0)
         for c in cands:
             f = dense.finish_config(c, K)
+            f.pop("PROGRAMS", None)  # a runtime argument: one compile serves every program count
             key = (spec, json.dumps(f, sort_keys=True, default=str), K % f["k_per_split"] == 0,
                    N % f["BLOCK_N"] == 0)
             if key not in seen:

@@ -54,7 +54,7 @@ def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
 
 
 if HAS_TRITON:
-    from .fp8 import _gemm_epilogue
+    from .fp8 import _gemm_epilogue, _round_bf16
     from .paged_attention import gdc_launch_dependents, gdc_wait, pdl_enter
 
     @triton.jit
@@ -161,6 +161,80 @@ if HAS_TRITON:
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
 
 
+    @triton.jit
+    def _dense_streamk_kernel(x_src, w_src, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym,
+                              tiles_n, KBT, iters, progs, MAXC,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              TMA: tl.constexpr, EVEN_K: tl.constexpr,
+                              EVEN_N: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False):
+        """Stream-K form of the swap-AB GEMM: a grid of ``progs`` programs shares the
+        ``iters = tiles x KBT`` (output tile, K block of BLOCK_K) iterations equally, program
+        ``p`` taking ``[p * iters // progs, (p + 1) * iters // progs)``, so every SM streams
+        the same number of weight bytes whatever the tile count (a fixed split-K leaves SMs
+        idle or a partial wave: 40 tiles x 2 splits = 80 programs on 132 SMs). A program's
+        range crosses tile boundaries; each (tile, K range) segment that is a whole tile is
+        rounded and stored, the others store their fp32 partial in slot ``j`` (the program's
+        rank among the tile's contributors, which follow from the range formula) and the
+        last contributor to arrive (per-tile arrival counter, reset by it) adds the slots in
+        order ``j = 0, 1, ...`` (K order) and rounds once. Deterministic for a given
+        ``progs``. TMA: ``x_src`` / ``w_src`` are tensor descriptors (out-of-range reads are
+        zeros), else pointers (masks unless EVEN_K / EVEN_N)."""
+        pdl_enter(PDL)
+        pid = tl.program_id(0)
+        it = (pid * iters) // progs
+        end = ((pid + 1) * iters) // progs
+        offs_kk = tl.arange(0, BLOCK_K)
+        loc = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        while it < end:
+            tile = it // KBT
+            kb0 = it - tile * KBT
+            kb1 = tl.minimum(KBT, kb0 + (end - it))
+            pid_n = tile % tiles_n
+            pid_m = tile // tiles_n
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            n_mask = offs_n < N
+            m_mask = offs_m < M
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for kb in range(kb0, kb1):
+                if TMA:
+                    w = w_src.load([pid_n * BLOCK_N, kb * BLOCK_K])
+                    a = x_src.load([pid_m * BLOCK_M, kb * BLOCK_K])
+                else:
+                    offs_k = kb * BLOCK_K + offs_kk
+                    w_ptrs = w_src + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+                    x_ptrs = x_src + offs_m[:, None] * stride_xm + offs_k[None, :]
+                    if EVEN_K:
+                        if EVEN_N:
+                            w = tl.load(w_ptrs)
+                        else:
+                            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+                        a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+                    else:
+                        k_mask = offs_k < K
+                        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
+            mask = n_mask[:, None] & m_mask[None, :]
+            y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
+            # the tile's contributors: the owners of its first and last iteration
+            p_first = ((tile * KBT + 1) * progs - 1) // iters
+            p_last = ((tile * KBT + KBT) * progs - 1) // iters
+            if p_first == p_last:  # the whole tile in this program
+                tl.store(y_ptr + y_offs, _round_bf16(acc).to(tl.bfloat16), mask=mask)
+            else:
+                slot = part_ptr + tile * (MAXC * BLOCK_N * BLOCK_M)
+                tl.store(slot + (pid - p_first) * (BLOCK_N * BLOCK_M) + loc, acc)
+                tl.debug_barrier()  # every thread's partial stored before the (release) arrival
+                prev = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+                if prev == p_last - p_first:
+                    tot = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    for j in range(0, p_last - p_first + 1):
+                        tot += tl.load(slot + j * (BLOCK_N * BLOCK_M) + loc, cache_modifier=".cg")
+                    tl.store(y_ptr + y_offs, _round_bf16(tot).to(tl.bfloat16), mask=mask)
+                    tl.atomic_xchg(cnt_ptr + tile, 0)
+            it += kb1 - kb0
+
 # --------------------------------------------------------------------------------------
 # Launch configs
 # --------------------------------------------------------------------------------------
@@ -214,8 +288,16 @@ def finish_config(cfg: dict, K: int) -> dict:
     per = _cdiv(kblocks, split)
     cfg["k_per_split"] = per * bk
     cfg["SPLIT_K"] = _cdiv(kblocks, per)
-    # KIND "tile" (TMA kernel only): tokens on the MMA's M axis; otherwise swap-AB
-    cfg["KIND"] = "tile" if cfg.get("KIND") == "tile" and cfg.get("TMA") else "swap"
+    # KIND "tile" (TMA kernel only): tokens on the MMA's M axis; "streamk": the swap-AB
+    # product with PROGRAMS programs sharing the (tile, K block) iterations; otherwise swap-AB
+    kind = cfg.get("KIND")
+    if kind == "streamk":
+        cfg["SPLIT_K"], cfg["k_per_split"] = 1, kblocks * bk
+        cfg["PROGRAMS"] = max(1, int(cfg.get("PROGRAMS") or TUNED_SMS))
+        cfg["PREFETCH"] = 0
+        return cfg
+    cfg.pop("PROGRAMS", None)
+    cfg["KIND"] = "tile" if kind == "tile" and cfg.get("TMA") else "swap"
     # PREFETCH (pointer kernel only): weight columns per row prefetched into L2 before the PDL
     # wait, a power of two from 64 up to the program's K range; 0 = none
     pf = 0 if cfg.get("TMA") else min(int(cfg.get("PREFETCH") or 0), cfg["k_per_split"])
@@ -273,6 +355,14 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     if K == 0:
         return out.zero_()
     cfg = finish_config(config if config is not None else (dense_config(M, N, K) or {}), K)
+    if cfg["KIND"] == "streamk":
+        counters = _tile_counters(x.device, _cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]))
+        if counters is not None:
+            _launch_streamk(x, w, out, counters, cfg, interpret)
+            return out
+        # no arrival counters (first use inside a graph capture): one program per tile
+        cfg = finish_config({k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
+                                                 "TMA") if k in cfg}, K)
     split = cfg["SPLIT_K"]
     tiles_m, tiles_n = _cdiv(M, cfg["BLOCK_M"]), _cdiv(N, cfg["BLOCK_N"])
     work = counters = None
@@ -303,6 +393,42 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     if split > 1 and counters is None:
         _launch_reduce(work, out, M, N, split)
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def streamk_plan(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int, programs: int) -> tuple:
+    """``(tiles_n, KBT, iters, progs, maxc)`` of a stream-K launch: K blocks per tile, total
+    iterations, programs (at most one per iteration) and the most programs sharing one tile
+    (the partial slots per tile), from the same range formula as the kernel."""
+    tiles_n, tiles = _cdiv(N, block_n), _cdiv(N, block_n) * _cdiv(M, block_m)
+    kbt = _cdiv(K, block_k)
+    iters = tiles * kbt
+    progs = max(1, min(programs, iters))
+    maxc = max(((t * kbt + kbt) * progs - 1) // iters - ((t * kbt + 1) * progs - 1) // iters + 1
+               for t in range(tiles))
+    return tiles_n, kbt, iters, progs, maxc
+
+
+def _launch_streamk(x: Tensor, w: Tensor, out: Tensor, counters: Tensor, cfg: dict, interpret: bool) -> None:
+    M, K = x.shape
+    N = w.shape[0]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles_n, kbt, iters, progs, maxc = streamk_plan(M, N, K, bm, bn, bk, cfg["PROGRAMS"])
+    tiles = iters // kbt
+    part = torch.empty(tiles * maxc * bn * bm if maxc > 1 else 1, dtype=torch.float32, device=x.device)
+    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
+    tma = bool(cfg.get("TMA")) and _tma_ok(x, w)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xs = TensorDescriptor.from_tensor(x, [bm, bk])
+        ws = TensorDescriptor.from_tensor(w, [bn, bk])
+    else:
+        xs, ws = x, w
+    _dense_streamk_kernel[(progs,)](xs, ws, out, part, counters, M, N, K, x.stride(0), out.stride(0),
+                                    tiles_n, kbt, iters, progs, maxc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                    TMA=tma, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
+                                    UPCAST_DOT=interpret, **kw)
 
 
 def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
