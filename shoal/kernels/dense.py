@@ -128,13 +128,15 @@ if HAS_TRITON:
     def _dense_tma_kernel(x_desc, w_desc, y_ptr, part_ptr, cnt_ptr, M, N, stride_ym, k_per_split,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                          PDL: tl.constexpr = False, SWAP: tl.constexpr = True):
+                          PDL: tl.constexpr = False, SWAP: tl.constexpr = True, W_KBT: tl.constexpr = 0):
         """``_dense_swap_kernel`` with both operands read through tensor descriptors (TMA on
         sm_90: one bulk copy per tile into shared memory, out-of-range rows and columns read as
         zeros, so no masks); the same products, sums and epilogue. ``SWAP=False`` (config
         ``KIND`` "tile", for M >= 64): the MMA computes ``x_tile @ W_tile^T`` with the tokens on
         its M axis and up to 256 weight rows on its N axis (the wide wgmma shape), transposed
-        in registers for the epilogue; the same sums."""
+        in registers for the epilogue; the same sums. ``W_KBT > 0``: ``w_desc`` describes the
+        weight in tile-blocked order (``[N / BLOCK_N, W_KBT, BLOCK_N, BLOCK_K]`` viewed as rows
+        of BLOCK_K, ``W_KBT = K / BLOCK_K``), so each tile is one contiguous block of memory."""
         pdl_enter(PDL)
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -147,7 +149,10 @@ if HAS_TRITON:
         else:
             acc_t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
-            w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
+            if W_KBT > 0:
+                w = w_desc.load([(pid_n * W_KBT + (k_lo + k0) // BLOCK_K) * BLOCK_N, 0])
+            else:
+                w = w_desc.load([pid_n * BLOCK_N, k_lo + k0])
             a = x_desc.load([pid_m * BLOCK_M, k_lo + k0])
             if SWAP:
                 acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
