@@ -1,5 +1,5 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SHOAL_b065ac6=COMMIT
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SHOAL_COMMIT=COMMIT
 timeout 330 python3 -m shoal.bench.kernels_codec_conv --points 64x32,1x8,64x8 --skip snake,convs,trace,profile --backends triton,triton_epilogue --out $OUT/codec-epilogue.json 2>&1 | grep -v "^\s*$" | tail -30
 python3 - <<'PY' > /tmp/win.txt
 import json, os

@@ -18,9 +18,8 @@ nucleus is the prefix of the descending order (ties: lower index first, as a sta
 whose ranks r satisfy r == 0 or (r < top_k and cum_r <= top_p), where cum_r is the fp32 running
 sum of the softmax values (each rounded to the logits dtype) rounded to the logits dtype --
 PyTorch's CPU cumsum; its CUDA bf16 cumsum rounds the running sum at every step. No sort: the
-kernel walks the ranks in order until every draw has stopped keeping them, the next 4 ranks
-per block reduction (a top-4 merge; top_k 30 bounds the walk at 8 reductions), then draws
-vectorized over the row: the first
+kernel walks the ranks in order with one max reduction each until every draw has stopped
+keeping them (top_k 30 bounds the walk at 30), then draws vectorized over the row: the first
 index of ``max(probs / q)`` with ``probs = softmax(logits / temperature)`` over the kept set
 and the counter-hash noise ``q = -log U``. Exponentials, logarithms and divisions are
 IEEE-accurate (libdevice, ``div_rn``), so the kernel draws what the PyTorch sampler draws
@@ -122,36 +121,6 @@ if HAS_TRITON:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _top4_merge(a0, a1, a2, a3, b0, b1, b2, b3):
-        """The 4 largest of two descending 4-lists, descending: the elementwise max of one
-        list and the other reversed is a bitonic sequence holding them, sorted by two rounds
-        of compare-exchange."""
-        c0 = tl.maximum(a0, b3)
-        c1 = tl.maximum(a1, b2)
-        c2 = tl.maximum(a2, b1)
-        c3 = tl.maximum(a3, b0)
-        d0 = tl.maximum(c0, c2)
-        d2 = tl.minimum(c0, c2)
-        d1 = tl.maximum(c1, c3)
-        d3 = tl.minimum(c1, c3)
-        return tl.maximum(d0, d1), tl.minimum(d0, d1), tl.maximum(d2, d3), tl.minimum(d2, d3)
-
-    @triton.jit
-    def _walk_rank(cur, cum, r, k, m, S, p_a, p_b, alive_a, alive_b, thr_a, thr_b, V,
-                   ROUND: tl.constexpr, ACCURATE: tl.constexpr, KEY32: tl.constexpr):
-        """Rank ``r`` (key ``cur``) of the walk, if the walk is still on (a draw alive, r < V):
-        its rounded softmax value joins the running sum and each draw that keeps it (r < top_k
-        and the rounded sum <= its top_p) moves its threshold to it."""
-        go = (alive_a | alive_b) & (r < V)
-        cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
-        c = _round_dt(cum, ROUND)
-        alive_a = alive_a & go & (r < k) & (c <= p_a)
-        alive_b = alive_b & go & (r < k) & (c <= p_b)
-        thr_a = tl.where(alive_a, cur, thr_a)
-        thr_b = tl.where(alive_b, cur, thr_b)
-        return cum, alive_a, alive_b, thr_a, thr_b
-
-    @triton.jit
     def _bisect(key, sm, valid, k, p, ROUND: tl.constexpr):
         """Key of the last kept rank by bisection over the key range: the smallest key t with
         ``count(key >= t) == 1`` or ``count <= top_k and round(sum of sm over key >= t) <=
@@ -174,8 +143,8 @@ if HAS_TRITON:
         """The kept sets of the S2 rule without a sort -> (key of draw a's last kept rank, the
         same for draw b). Rank r >= 1 is kept while r < top_k and
         ``cum_r = round(fp32 sum of round(softmax)_0..r) <= top_p``; kept sets are prefixes.
-        top_k <= WALK_MAX: walk the ranks in order while a draw still keeps them, 4 ranks per
-        reduction (top_k 30: at most 8 reductions, usually one); larger top_k: bisection."""
+        top_k <= WALK_MAX: walk the ranks in order (one max reduction each) while a draw still
+        keeps them (top_k 30: at most 30 steps, usually a few); larger top_k: bisection."""
         m = tl.max(x, 0)
         S = tl.sum(_exp(x - m, ACCURATE), 0)
         p_a = _round_dt(p_a, ROUND)
@@ -192,23 +161,18 @@ if HAS_TRITON:
                 alive_b = k < 0
             r = 1
             while (alive_a | alive_b) & (r < V):
-                # the next 4 ranks in one reduction (a top-4 merge), walked in order
                 if KEY32:
-                    low = tl.full(key.shape, -2147483647, tl.int32)  # below every key
+                    cur = tl.max(tl.where(key < prev, key, -2147483647), 0)
                 else:
-                    low = tl.full(key.shape, -9223372036854775807, tl.int64)
-                below = tl.where(key < prev, key, low)
-                c0, c1, c2, c3 = tl.reduce((below, low, low, low), 0, _top4_merge)
-                cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c0, cum, r, k, m, S, p_a, p_b, alive_a, alive_b,
-                                                                 thr_a, thr_b, V, ROUND, ACCURATE, KEY32)
-                cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c1, cum, r + 1, k, m, S, p_a, p_b, alive_a,
-                                                                 alive_b, thr_a, thr_b, V, ROUND, ACCURATE, KEY32)
-                cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c2, cum, r + 2, k, m, S, p_a, p_b, alive_a,
-                                                                 alive_b, thr_a, thr_b, V, ROUND, ACCURATE, KEY32)
-                cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c3, cum, r + 3, k, m, S, p_a, p_b, alive_a,
-                                                                 alive_b, thr_a, thr_b, V, ROUND, ACCURATE, KEY32)
-                prev = c3
-                r += 4
+                    cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
+                cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
+                c = _round_dt(cum, ROUND)
+                alive_a = alive_a & (r < k) & (c <= p_a)
+                alive_b = alive_b & (r < k) & (c <= p_b)
+                thr_a = tl.where(alive_a, cur, thr_a)
+                thr_b = tl.where(alive_b, cur, thr_b)
+                prev = cur
+                r += 1
         else:
             sm = _round_dt(tl.math.div_rn(_exp(x - m, ACCURATE), tl.zeros_like(x) + S), ROUND)
             valid = tl.arange(0, x.shape[0]) < V
