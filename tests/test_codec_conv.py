@@ -35,7 +35,8 @@ SHAPES = {
     "k1_short": (2, 8, 70, 1, 1, 5, False, True),
 }
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
-                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes"])
+                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
+                   "golden_decode_fp32_k1_epilogues"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -115,6 +116,8 @@ def _interp_case(name: str) -> dict:
         return _golden_decode_case()
     if name == "golden_decode_fp32_separate_snakes":
         return _golden_decode_case(snake_epilogue=False)
+    if name == "golden_decode_fp32_k1_epilogues":
+        return _golden_decode_case(snake_epilogue="k1")
     if name.startswith("flat_"):  # the (tap, channel-slice) single-loop variant
         os.environ["SHOAL_CODEC_CONV_FLAT"] = "1"
         try:
@@ -224,7 +227,7 @@ def test_gpu_conv_matches_reference(dtype, shape):
 @pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
 # the epilogue variant (off by default) in fp32 only: each case compiles ~20 kernel variants
 @pytest.mark.parametrize("dtype,snake_epilogue", [(torch.float32, False), (torch.bfloat16, False),
-                                                  (torch.float32, True)])
+                                                  (torch.float32, True), (torch.float32, "k1")])
 def test_gpu_triton_decoder_matches_cudnn_decoder(dtype, snake_epilogue):
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
 
@@ -251,6 +254,46 @@ def test_gpu_triton_decoder_matches_cudnn_decoder(dtype, snake_epilogue):
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     assert (out - ref).abs().max().item() <= tol
     assert (streamed - out).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+def test_snake_epilogue_modes_parse(monkeypatch):
+    from shoal.bench.codec import build_codec
+    from shoal.codec.streaming import snake_epilogue_mode
+
+    codec = build_codec(True, torch.device("cpu"))
+    for given, stored in ((True, True), ("all", True), ("k1", "k1"), ("none", False), (False, False)):
+        codec.configure_serving(snake_epilogue=given)
+        assert codec.decoder.snake_epilogue == stored
+    with pytest.raises(ValueError, match="snake_epilogue"):
+        codec.configure_serving(snake_epilogue="k7")
+    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False)):
+        monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", env)
+        assert snake_epilogue_mode() == mode
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
+    """Separate Snake kernels, every Snake in a conv epilogue, and the k1-only epilogues round
+    alike: the same waveform bits one-shot and streamed (random tiny codec, no golden files)."""
+    from shoal.bench.codec import build_codec, random_codes
+    from shoal.codec import StreamingDecoder
+
+    codec = build_codec(True, torch.device("cuda")).to(dtype)
+    codes = random_codes(3, 24, "cuda", seed=4)
+    outs = {}
+    try:
+        for mode in (False, "k1", True):
+            codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode)
+            dec = StreamingDecoder(codec)
+            st = dec.new_state(3)
+            parts = [dec.decode_chunk(codes[:, :, i:i + t], st) for i, t in ((0, 4), (4, 12), (16, 8))]
+            outs[mode] = (codec.decode(codes), torch.cat(parts, -1))
+    finally:
+        codec.configure_serving(channels_last=False, triton_conv=False, snake_epilogue=False)
+    for mode in ("k1", True):
+        assert torch.equal(outs[mode][0], outs[False][0]), mode
+        assert torch.equal(outs[mode][1], outs[False][1]), mode
 
 
 if __name__ == "__main__":

@@ -89,8 +89,9 @@ class Decoder(StreamingModule):
         self.fused = True  # Codec.configure_serving(fused=False): the module-by-module path
         self.channels_last = False
         # Triton convs: Snakes in the conv epilogues (_forward_triton) rather than separate
-        # kernels; measured slower on an H200 (docs/benchmarks.md), so off by default
-        self.snake_epilogue = False
+        # kernels: False (none), "all", or "k1" (only the k=1 convs' residual + Snake epilogues;
+        # the dilated k=7 convs write their output and the separate Snake kernel follows)
+        self.snake_epilogue: bool | str = False
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if self.fused:
@@ -145,8 +146,12 @@ class Decoder(StreamingModule):
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
                 s2 = self._act(h)
-                conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
-                                 snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
+                if self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
+                    a = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
+                    snake_op(a, snake2.alpha, out=s2)
+                else:
+                    conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
+                                     snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
                 if j + 1 < len(units):
                     nxt, alpha = units[j + 1][1], units[j + 1][0].alpha
                     nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
@@ -454,7 +459,7 @@ class Codec(nn.Module):
         return self.quantizer.decode(self._check_codes(codes), state, rope)
 
     def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
-                          triton_conv: bool | None = None, snake_epilogue: bool | None = None) -> "Codec":
+                          triton_conv: bool | None = None, snake_epilogue: bool | str | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -465,10 +470,15 @@ class Codec(nn.Module):
         :mod:`shoal.kernels.codec_conv` (CUDA or the Triton interpreter; needs ``channels_last``),
         and the transposed convs as 2-tap GEMMs. ``snake_epilogue`` (with ``triton_conv``): each
         Snake computed in the epilogue of the conv before it instead of by the separate fused
-        Snake kernel (``Decoder._forward_triton``; same numbers, slower on an H200).
+        Snake kernel (``Decoder._forward_triton``; same numbers); ``"k1"``: only the k=1 convs'
+        (residual add, new residual stream and the next Snake in one epilogue), the k=7 convs'
+        Snakes stay separate kernels.
         """
         if snake_epilogue is not None:
-            self.decoder.snake_epilogue = bool(snake_epilogue)
+            if snake_epilogue not in (True, False, "k1", "all", "none"):
+                raise ValueError(f"snake_epilogue must be a bool, 'all', 'k1' or 'none', got {snake_epilogue!r}")
+            mode = {"all": True, "none": False}.get(snake_epilogue, snake_epilogue)  # type: ignore[arg-type]
+            self.decoder.snake_epilogue = mode
         if fused is not None:
             self.decoder.fused = bool(fused)
         if channels_last is not None:

@@ -341,6 +341,13 @@ class GraphedStreamingDecoder(StreamingDecoder):
             return g.out[:B].clone()
 
 
+def snake_epilogue_mode() -> bool | str:
+    """``SHOAL_CODEC_CONV_EPILOGUE``: ``0`` separate Snake kernels, ``1`` every Snake in a conv
+    epilogue, ``k1`` only the k=1 convs' (see ``Codec.configure_serving``)."""
+    v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0").strip().lower()
+    return "k1" if v == "k1" else v in ("1", "true", "yes", "on", "all")
+
+
 def configure_serving_layout(codec: Codec) -> str:
     """Put the codec's decoder in the layout serving uses (see :func:`serving_decoder`); returns
     it: "triton" (Triton implicit-GEMM convs, channels-last), "cudnn-cl" or "cudnn"."""
@@ -348,8 +355,7 @@ def configure_serving_layout(codec: Codec) -> str:
 
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
-        codec.configure_serving(channels_last=True, triton_conv=True,
-                                snake_epilogue=os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0") == "1")
+        codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())
         return "triton"
     if os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
         cl = os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", "")
