@@ -266,9 +266,11 @@ def test_snake_epilogue_modes_parse(monkeypatch):
         assert codec.decoder.snake_epilogue == stored
     with pytest.raises(ValueError, match="snake_epilogue"):
         codec.configure_serving(snake_epilogue="k7")
-    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False)):
+    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "k1")):
         monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", env)
         assert snake_epilogue_mode() == mode
+    monkeypatch.delenv("SHOAL_CODEC_CONV_EPILOGUE")
+    assert snake_epilogue_mode() == "k1"  # the serving default
 
 
 @gpu

@@ -172,9 +172,12 @@ def test_tuner_search_space(monkeypatch):
                 assert c["num_stages"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
             keys = [json.dumps(dense.finish_config(c, K), sort_keys=True) for c in cands]
             assert len(keys) == len(set(keys))  # no launch timed twice
-            assert not any(c.get("PREFETCH") or c.get("KIND") == "tile" for c in cands)  # opt-in dimensions
-            wide = tune_dense.candidates(M, N, K, prefetch=True, tile=True)
+            assert not any(c.get("PREFETCH") or c.get("KIND") in ("tile", "streamk") for c in cands)  # opt-in
+            wide = tune_dense.candidates(M, N, K, prefetch=True, tile=True, streamk=True)
             assert any(c.get("KIND") == "tile" for c in wide) if M >= 64 else any(c.get("PREFETCH") for c in wide)
+            assert any(c.get("KIND") == "streamk" for c in wide)
+            for c in wide:
+                assert c["num_stages"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
             assert len(wide) > len(cands)
 
 

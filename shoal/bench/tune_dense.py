@@ -42,7 +42,7 @@ SMEM_SM = 227 * 1024  # shared memory per SM: how many stream-K programs can be 
 
 
 def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False,
-               streamk: bool = True) -> list[dict]:
+               streamk: bool = False) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
@@ -50,9 +50,11 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     (measured on the H200 on 2026-12-02 to win 1 of the 20 cells at M <= 32 and none of the 8 at
     M >= 64, for about half again the compiles): ``prefetch`` (with PDL, M <= 32) pointer loads whose first 1,024 weight
     columns are prefetched into L2 before the kernel waits for its predecessor; ``tile`` (M >=
-    64) TMA launches with the tokens on the MMA's M axis (``KIND`` "tile"). ``streamk``
-    (default on): the same tiles as stream-K launches (``KIND`` "streamk") of 1, 2 or 3
-    programs per SM (as many as fit its shared memory at once), at least 2 K blocks each."""
+    64) TMA launches with the tokens on the MMA's M axis (``KIND`` "tile"); ``streamk``: the
+    same tiles as stream-K launches (``KIND`` "streamk") of 1, 2 or 3 programs per SM (as many
+    as fit its shared memory at once), at least 2 K blocks each (measured on the H200 on
+    2026-12-02 at M = 1 and 64: the best of them within 5% of the best config in one cell of
+    12, never ahead)."""
     bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
@@ -190,6 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-candidates", type=int, default=0, help="debug: at most this many per cell")
     ap.add_argument("--prefetch", action="store_true", help="also try the L2-prefetch-before-PDL-wait variants (M <= 32)")
     ap.add_argument("--tile", action="store_true", help="also try KIND tile (tokens on the MMA's M axis, M >= 64)")
+    ap.add_argument("--streamk", action="store_true", help="also try stream-K launches (KIND streamk)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         _log("tune_dense: CUDA not available; nothing to tune")
@@ -206,7 +209,7 @@ def main(argv=None) -> int:
     for name in names:
         N, K = SHAPES[name]
         for M in ms:
-            cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile)
+            cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk)
             plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
     _log(f"tune_dense: {len(plan)} cells, {sum(len(p[4]) for p in plan)} candidates")
     if args.jobs > 0:

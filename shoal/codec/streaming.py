@@ -342,10 +342,13 @@ class GraphedStreamingDecoder(StreamingDecoder):
 
 
 def snake_epilogue_mode() -> bool | str:
-    """``SHOAL_CODEC_CONV_EPILOGUE``: ``0`` separate Snake kernels, ``1`` every Snake in a conv
-    epilogue, ``k1`` only the k=1 convs' (see ``Codec.configure_serving``)."""
-    v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "0").strip().lower()
-    return "k1" if v == "k1" else v in ("1", "true", "yes", "on", "all")
+    """The serving decoder's Snake placement, ``SHOAL_CODEC_CONV_EPILOGUE``: ``k1`` (default)
+    the k=1 convs' residual + Snake epilogues with the k=7 convs' Snakes as separate kernels,
+    ``0`` separate Snake kernels only, ``1`` every Snake in a conv epilogue (see
+    ``Codec.configure_serving``; all three give the same bits). ``k1`` was the fastest or tied
+    at every measured call size on an H200 (docs/benchmarks.md, 2026-12-02)."""
+    v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "k1").strip().lower()
+    return "k1" if v in ("k1", "") else v in ("1", "true", "yes", "on", "all")
 
 
 def configure_serving_layout(codec: Codec) -> str:
@@ -368,8 +371,9 @@ def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> Strea
     """The streaming decoder for serving: CUDA graphs on a CUDA codec unless disabled
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
     On CUDA a bf16 / fp16 codec's convolutions run as the Triton implicit-GEMM kernels
-    (:mod:`shoal.kernels.codec_conv`, channels-last, separate fused Snake kernels;
-    ``SHOAL_CODEC_CONV_EPILOGUE=1`` moves the Snakes into the conv epilogues, slower on an H200);
+    (:mod:`shoal.kernels.codec_conv`, channels-last, the k=1 convs' Snakes in their epilogues,
+    the rest in the separate fused Snake kernel; ``SHOAL_CODEC_CONV_EPILOGUE=0|1`` for none / all
+    in epilogues);
     ``SHOAL_CODEC_TRITON_CONV=1`` forces them for fp32 too, ``=0`` gives cuDNN, with
     ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
     configure_serving_layout(codec)
