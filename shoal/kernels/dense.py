@@ -73,6 +73,21 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, k_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """One K block of the weight and activation tiles (masks only where the shape needs
+        them: ragged K, ragged N; token rows past M always)."""
+        if EVEN_K:
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        return w, a
+
+    @triton.jit
     def _dense_swap_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -107,16 +122,7 @@ if HAS_TRITON:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_kk)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
-            if EVEN_K:
-                if EVEN_N:
-                    w = tl.load(w_ptrs)
-                else:
-                    w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-                a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            else:
-                k_mask = (k_lo + k0 + offs_kk) < K
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w, a = _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, (k_lo + k0 + offs_kk) < K, EVEN_K, EVEN_N)
             acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -207,18 +213,9 @@ if HAS_TRITON:
                     a = x_src.load([pid_m * BLOCK_M, kb * BLOCK_K])
                 else:
                     offs_k = kb * BLOCK_K + offs_kk
-                    w_ptrs = w_src + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-                    x_ptrs = x_src + offs_m[:, None] * stride_xm + offs_k[None, :]
-                    if EVEN_K:
-                        if EVEN_N:
-                            w = tl.load(w_ptrs)
-                        else:
-                            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-                        a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-                    else:
-                        k_mask = offs_k < K
-                        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                        a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                    w, a = _load_operands(w_src + offs_n[:, None].to(tl.int64) * K + offs_k[None, :],
+                                          x_src + offs_m[:, None] * stride_xm + offs_k[None, :],
+                                          n_mask, m_mask, offs_k < K, EVEN_K, EVEN_N)
                 acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
             mask = n_mask[:, None] & m_mask[None, :]
             y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
