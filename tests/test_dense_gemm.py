@@ -41,6 +41,13 @@ CASES = {  # name -> (M, N, K, config)
     "streamk_one_per_tile": (5, 64, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "KIND": "streamk",
                                           "PROGRAMS": 2}),
 }
+# gate_up GEMM + SwiGLU in one kernel: (M, I, K, config); w13 is [2I, K]
+SWIGLU_CASES = {
+    "swiglu_m1_nosplit": (1, 64, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}),
+    "swiglu_m3_split3": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}),
+    "swiglu_m17_ragged": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),
+    "swiglu_tma_m5_ragged": (5, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True}),
+}
 
 
 def _rel(a, b):
@@ -77,11 +84,34 @@ def _case(M, N, K, cfg):
     return {"checks": checks, "flags": flags}
 
 
+def _swiglu_case(M, inter, K, cfg):
+    from shoal.kernels import fp8
+    from shoal.kernels.fused import silu_mul, silu_mul_ref
+
+    g = torch.Generator().manual_seed(M * 1000 + inter + K)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    w13 = (torch.randn(2 * inter, K, generator=g) * K ** -0.5).bfloat16()
+    y = dense.dense_swiglu_triton(x, w13, config=cfg)
+    ref = silu_mul_ref(dense.dense_gemm_ref(x, w13))
+    checks = {"rel_vs_ref": (_rel(y, ref), 2.0 ** -6)}
+    # the unfused composition with the same tiles: the same sums and roundings, so the same bits
+    flags = {"equals_gemm_then_silu_mul": torch.equal(silu_mul(dense.dense_gemm_triton(x, w13, config=cfg)), y),
+             "shape": tuple(y.shape) == (M, inter) and y.dtype == torch.bfloat16}
+    xi = torch.randint(-3, 4, (M, K), generator=g).bfloat16()
+    wi = torch.randint(-3, 4, (2 * inter, K), generator=g).bfloat16()
+    flags["exact_ints_vs_ref"] = torch.equal(dense.dense_swiglu_triton(xi, wi, config=cfg),
+                                             silu_mul_ref(dense.dense_gemm_ref(xi, wi)))
+    counters = fp8._counters.get(("cpu", None))
+    flags["counters_reset"] = counters is None or not bool(counters.any())
+    return {"checks": checks, "flags": flags}
+
+
 def _worker_main():
     from shoal.kernels.paged_attention import triton_interpreting
 
     assert triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
-    report_cases(CASES, lambda name: _case(*CASES[name]))
+    report_cases({**CASES, **SWIGLU_CASES},
+                 lambda name: _case(*CASES[name]) if name in CASES else _swiglu_case(*SWIGLU_CASES[name]))
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +121,40 @@ def interp_results():
     return run_worker(__file__)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(SWIGLU_CASES))
 def test_kernel_matches_reference_interpreter(interp_results, name):
     assert_case(interp_results[name], need_any=True)
+
+
+def test_swiglu_config_halves_the_gate_up_tile(tmp_path, monkeypatch):
+    table = {"configs": {"128,256": {"1": {"BLOCK_M": 16, "BLOCK_N": 64, "SPLIT_K": 2, "TMA": True},
+                                     "64": {"BLOCK_M": 64, "BLOCK_N": 128, "KIND": "tile", "TMA": True},
+                                     "128": None}}}
+    (tmp_path / "dense_tuned.json").write_text(json.dumps(table))
+    try:
+        dense.set_dense_table(tmp_path)
+        c = dense.swiglu_config(1, 128, 256)
+        assert c["BLOCK_N"] == 32 and c["SPLIT_K"] == 2 and c["TMA"] and c["KIND"] == "swap"
+        assert dense.swiglu_config(64, 128, 256) is None  # tokens-on-M tiles: not fused
+        assert dense.swiglu_config(128, 128, 256) is None  # cuBLAS bucket
+    finally:
+        dense.set_dense_table(None)
+
+
+def test_dense_swiglu_off_the_kernel_path_is_silu_mul_of_linear(monkeypatch):
+    from shoal.kernels.fused import silu_mul_ref
+
+    monkeypatch.setenv(dense.SWIGLU_ENV, "1")
+    dense._swiglu_enabled.cache_clear()
+    try:
+        x = torch.randn(2, 3, 64).bfloat16()
+        w13 = torch.randn(96, 64).bfloat16()
+        y = dense.dense_swiglu(x, w13)  # CPU tensors: F.linear, then the reference SwiGLU
+        assert y.shape == (2, 3, 48) and torch.equal(y, silu_mul_ref(torch.nn.functional.linear(x, w13)))
+    finally:
+        dense._swiglu_enabled.cache_clear()
+    with pytest.raises(ValueError, match="2I"):
+        dense.dense_swiglu_triton(torch.randn(2, 64).bfloat16(), torch.randn(95, 64).bfloat16())
 
 
 # --------------------------------------------------------------------------------------
@@ -240,6 +301,37 @@ def test_gpu_kernel_matches_reference(M, N, K):
 
     counters = fp8._counters.get(("cuda", x.device.index))
     assert counters is None or not bool(counters.any())  # every arrival counter back to 0
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 7, 64])
+def test_gpu_swiglu_equals_gemm_then_silu_mul(M):
+    """S2-Pro's gate_up (w13 [19456, 2560]): the fused kernel gives the bits of the GEMM with
+    the same tiles followed by silu_mul, for pointer / TMA loads, one split and split K (fused
+    reduce), and through the dispatcher with the packaged table when enabled."""
+    from shoal.kernels.fused import silu_mul, silu_mul_ref
+
+    K, inter = 2560, 9728
+    g = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    w13 = (torch.randn(2 * inter, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
+    bm = max(16, min(128, 1 << (M - 1).bit_length()))
+    ref = silu_mul_ref(dense.dense_gemm_ref(x, w13))
+    for cfg in ({"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "num_stages": 3},
+                {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 1, "TMA": True},
+                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 3, "TMA": True},
+                {"BLOCK_M": bm, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": 4}):
+        y = dense.dense_swiglu_triton(x, w13, config=cfg)
+        assert torch.equal(y, silu_mul(dense.dense_gemm_triton(x, w13, config=cfg))), cfg
+        assert _rel(y, ref) <= 2.0 ** -6, cfg
+    cfg = dense.swiglu_config(M, 2 * inter, K)
+    if cfg is not None:
+        assert torch.equal(dense.dense_swiglu_triton(x, w13), silu_mul(dense.dense_gemm_triton(x, w13, config=cfg)))
+    torch.cuda.synchronize()
+    from shoal.kernels import fp8
+
+    counters = fp8._counters.get(("cuda", x.device.index))
+    assert counters is None or not bool(counters.any())
 
 
 @cuda

@@ -40,7 +40,8 @@ from torch import Tensor
 from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters, _tma_ok
 from .paged_attention import HAS_TRITON, pdl_options, tl, triton
 
-__all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table"]
+__all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table",
+           "dense_swiglu", "dense_swiglu_triton", "swiglu_config"]
 
 MAX_M = 128  # larger M (prefill) always goes to cuBLAS
 TABLE_ENV = "SHOAL_DENSE_TUNED"
@@ -54,6 +55,8 @@ def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
 
 
 if HAS_TRITON:
+    from triton.language.extra import libdevice
+
     from .fp8 import _gemm_epilogue, _round_bf16
     from .paged_attention import gdc_launch_dependents, gdc_wait, pdl_enter
 
@@ -73,19 +76,107 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, k_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
-        """One K block of the weight and activation tiles (masks only where the shape needs
-        them: ragged K, ragged N; token rows past M always)."""
+    def _load_w(w_ptrs, n_mask, k_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """One K block of a weight tile (masks only where the shape needs them)."""
         if EVEN_K:
             if EVEN_N:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        return w
+
+    @triton.jit
+    def _load_x(x_ptrs, m_mask, k_mask, EVEN_K: tl.constexpr):
+        """One K block of the activation tile (token rows past M read as zeros)."""
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
             a = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        return w, a
+        return a
+
+    @triton.jit
+    def _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, k_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """One K block of the weight and activation tiles (masks only where the shape needs
+        them: ragged K, ragged N; token rows past M always)."""
+        return _load_w(w_ptrs, n_mask, k_mask, EVEN_K, EVEN_N), _load_x(x_ptrs, m_mask, k_mask, EVEN_K)
+
+    @triton.jit
+    def _swiglu_bf16(g, u, ACCURATE_EXP: tl.constexpr):
+        """``silu(g) * u`` of bf16-valued fp32 tiles, rounded as ``fused._silu_mul_kernel``
+        rounds (silu to bf16, then the product to bf16)."""
+        if ACCURATE_EXP:
+            e = libdevice.exp(-g)
+        else:
+            e = tl.exp(-g)
+        return _round_bf16(_round_bf16(tl.math.div_rn(g, 1.0 + e)) * u)
+
+    @triton.jit
+    def _dense_swiglu_kernel(x_src, w_src, y_ptr, part_ptr, cnt_ptr, M, I, K, stride_xm, stride_ym, k_per_split,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                             TMA: tl.constexpr, UPCAST_DOT: tl.constexpr, ACCURATE_EXP: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        """The gate_up GEMM with SwiGLU in its epilogue: ``y[M, I] = silu(x @ W[:I]^T) * (x @
+        W[I:]^T)`` for the stacked ``W = cat(w1, w3)`` [2I, K] as stored. Program (n, m, s)
+        accumulates the gate rows ``n`` and the up rows ``I + n`` of its tile over its K range
+        (the swap-AB product of ``_dense_swap_kernel``, two weight tiles per K block), rounds
+        both to bf16 and writes the SwiGLU; with SPLIT_K > 1 the last split of the tile to
+        arrive adds the fp32 partials (gate ``part[s]``, up ``part[SPLIT_K + s]``) in split order
+        first. The same sums and roundings as that kernel with BLOCK_N rows followed by
+        ``silu_mul``: the [M, 2I] intermediate and one launch disappear. TMA: descriptors
+        (a gate tile's rows past I read up rows; they are never stored)."""
+        pdl_enter(PDL)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_kk = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < I
+        m_mask = offs_m < M
+        k_lo = pid_k * k_per_split
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_per_split, BLOCK_K):
+            if TMA:
+                wg = w_src.load([pid_n * BLOCK_N, k_lo + k0])
+                wu = w_src.load([I + pid_n * BLOCK_N, k_lo + k0])
+                a = x_src.load([pid_m * BLOCK_M, k_lo + k0])
+            else:
+                offs_k = k_lo + k0 + offs_kk
+                k_mask = offs_k < K
+                w_ptrs = w_src + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+                wg = _load_w(w_ptrs, n_mask, k_mask, EVEN_K, EVEN_N)
+                wu = _load_w(w_ptrs + I.to(tl.int64) * K, n_mask, k_mask, EVEN_K, EVEN_N)
+                a = _load_x(x_src + offs_m[:, None] * stride_xm + offs_k[None, :], m_mask, k_mask, EVEN_K)
+            at = tl.trans(a)
+            acc_g = _dot_acc(wg, at, acc_g, UPCAST_DOT)
+            acc_u = _dot_acc(wu, at, acc_u, UPCAST_DOT)
+        mask = n_mask[:, None] & m_mask[None, :]
+        y_offs = offs_m[None, :] * stride_ym + offs_n[:, None]
+        if SPLIT_K == 1:
+            h = _swiglu_bf16(_round_bf16(acc_g), _round_bf16(acc_u), ACCURATE_EXP)
+            tl.store(y_ptr + y_offs, h.to(tl.bfloat16), mask=mask)
+        else:
+            MI = M * I
+            p_offs = offs_m[None, :] * I + offs_n[:, None]
+            tl.store(part_ptr + pid_k * MI + p_offs, acc_g, mask=mask)
+            tl.store(part_ptr + (SPLIT_K + pid_k) * MI + p_offs, acc_u, mask=mask)
+            tl.debug_barrier()  # every thread's partials stored before the (release) arrival
+            tile_id = pid_m * tl.num_programs(0) + pid_n
+            prev = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+            if prev == SPLIT_K - 1:
+                tg = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                tu = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for sp in tl.static_range(SPLIT_K):
+                    tg += tl.load(part_ptr + sp * MI + p_offs, mask=mask, other=0.0, cache_modifier=".cg")
+                    tu += tl.load(part_ptr + (SPLIT_K + sp) * MI + p_offs, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+                h = _swiglu_bf16(_round_bf16(tg), _round_bf16(tu), ACCURATE_EXP)
+                tl.store(y_ptr + y_offs, h.to(tl.bfloat16), mask=mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)
 
     @triton.jit
     def _dense_swap_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
@@ -431,6 +522,88 @@ def _launch_streamk(x: Tensor, w: Tensor, out: Tensor, counters: Tensor, cfg: di
                                     tiles_n, kbt, iters, progs, maxc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                     TMA=tma, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
                                     UPCAST_DOT=interpret, **kw)
+
+
+SWIGLU_ENV = "SHOAL_DENSE_SWIGLU"
+
+
+def swiglu_config(M: int, N2: int, K: int) -> dict | None:
+    """The fused gate_up + SwiGLU launch for ``w13 [N2 = 2I, K]``: the tuned swap-AB config of
+    the gate_up GEMM with half its weight rows per tile (each program reads BLOCK_N gate and
+    BLOCK_N up rows, the bytes of the tuned tile), or None (no tuned swap config)."""
+    cfg = dense_config(M, N2, K)
+    if cfg is None or cfg["KIND"] != "swap" or N2 % 2:
+        return None
+    half = {k: v for k, v in cfg.items() if k not in ("k_per_split", "KIND", "PREFETCH")}
+    half["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
+    return finish_config(half, K)
+
+
+def dense_swiglu_triton(x: Tensor, w13: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
+    """``silu(x @ w13[:I]^T) * (x @ w13[I:]^T)`` -> bf16 ``[M, I]`` in one kernel
+    (``_dense_swiglu_kernel``; ``w13 = cat(w1, w3)`` [2I, K] as the model stores it).
+    ``config``: BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA (swap-AB only). Without
+    arrival counters for a split config (first use inside a graph capture) it runs the GEMM
+    with the same tiles and then ``silu_mul``: the same bits."""
+    if x.dim() != 2 or w13.dim() != 2 or x.shape[1] != w13.shape[1] or w13.shape[0] % 2:
+        raise ValueError(f"dense_swiglu: x [M, K] and w13 [2I, K] expected, got {tuple(x.shape)} and "
+                         f"{tuple(w13.shape)}")
+    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16:
+        raise ValueError(f"dense_swiglu: bf16 operands expected, got {x.dtype} and {w13.dtype}")
+    interpret = _require_triton(x)
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    if not w13.is_contiguous():
+        w13 = w13.contiguous()
+    M, K = x.shape
+    inter = w13.shape[0] // 2
+    cfg = finish_config(config if config is not None else (swiglu_config(M, 2 * inter, K) or {}), K)
+    if cfg["KIND"] != "swap":
+        raise ValueError(f"dense_swiglu: swap-AB configs only, got KIND {cfg['KIND']!r}")
+    out = _out_buffer(out, M, inter, x.device)
+    if M == 0 or inter == 0:
+        return out
+    split = cfg["SPLIT_K"]
+    tiles_m, tiles_n = _cdiv(M, cfg["BLOCK_M"]), _cdiv(inter, cfg["BLOCK_N"])
+    counters = _tile_counters(x.device, tiles_m * tiles_n) if split > 1 else None
+    if K == 0 or (split > 1 and counters is None):
+        from .fused import silu_mul
+
+        return silu_mul(dense_gemm_triton(x, w13, config=cfg), out=out)
+    part = torch.empty(2 * split, M, inter, dtype=torch.float32, device=x.device) if split > 1 else x
+    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
+    tma = bool(cfg.get("TMA")) and _tma_ok(x, w13)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xs = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        ws = TensorDescriptor.from_tensor(w13, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    else:
+        xs, ws = x, w13
+    _dense_swiglu_kernel[(tiles_n, tiles_m, split)](
+        xs, ws, out, part, counters if counters is not None else out, M, inter, K, x.stride(0), out.stride(0),
+        cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
+        EVEN_K=K % cfg["k_per_split"] == 0, EVEN_N=inter % cfg["BLOCK_N"] == 0, TMA=tma, UPCAST_DOT=interpret,
+        ACCURATE_EXP=not interpret, **kw)
+    return out
+
+
+@functools.cache
+def _swiglu_enabled() -> bool:
+    return os.environ.get(SWIGLU_ENV, "0") in ("1", "true", "yes", "on")
+
+
+def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
+    """``silu_mul(dense_linear(x, w13))`` for any leading dims; with ``SHOAL_DENSE_SWIGLU=1``
+    (off by default until it is measured on a GPU) the fused kernel where the tuned table has
+    a swap-AB gate_up config: the same bits without the [M, 2I] intermediate and one launch."""
+    from .fused import silu_mul
+
+    if _swiglu_enabled() and x.dim() >= 2 and x.is_cuda and 0 < x.numel() <= MAX_M * x.shape[-1]:
+        x2 = x.reshape(-1, x.shape[-1])
+        if use_dense_kernel(x2, w13) and swiglu_config(x2.shape[0], w13.shape[0], w13.shape[1]) is not None:
+            return dense_swiglu_triton(x2, w13).view(*x.shape[:-1], w13.shape[0] // 2)
+    return silu_mul(dense_linear(x, w13))
 
 
 def use_dense_kernel(x: Tensor, w: Tensor) -> bool:

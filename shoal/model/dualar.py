@@ -36,6 +36,14 @@ def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return impl(x, w, bias)
 
 
+def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
+    """:func:`shoal.kernels.dense.dense_swiglu` (``silu_mul(dense_linear(x, w13))``, fused into
+    one kernel with ``SHOAL_DENSE_SWIGLU=1``), imported on first use."""
+    from ..kernels.dense import dense_swiglu as impl
+
+    return impl(x, w13)
+
+
 @dataclass
 class SlowOutput:
     logits: Tensor | None  # [B, vocab] ("full") or [B, A] ("allowed") at each row's last position
@@ -218,7 +226,7 @@ class DualAR(nn.Module):
                 elif w13_fp8 is not None:
                     f = ff.w2(silu_mul(w13_fp8(normed)))
                 else:
-                    f = _linear(ff.w2, silu_mul(dense_linear(normed, ff.w13)))
+                    f = _linear(ff.w2, dense_swiglu(normed, ff.w13))
             if i + 1 < len(layers):
                 if fp8:
                     h, act = fp8_fused.norm_quant(f, h, layers[i + 1].attention_norm.weight, eps)
