@@ -137,6 +137,14 @@ def test_swiglu_config_halves_the_gate_up_tile(tmp_path, monkeypatch):
         assert c["BLOCK_N"] == 32 and c["SPLIT_K"] == 2 and c["TMA"] and c["KIND"] == "swap"
         assert dense.swiglu_config(64, 128, 256) is None  # tokens-on-M tiles: not fused
         assert dense.swiglu_config(128, 128, 256) is None  # cuBLAS bucket
+        # a tuned entry of its own wins over the halved gate_up tile; a null bucket: unfused
+        table["configs"]["swiglu:128,256"] = {"4": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 4},
+                                              "64": None}
+        (tmp_path / "dense_tuned.json").write_text(json.dumps(table))
+        dense.set_dense_table(tmp_path)
+        c = dense.swiglu_config(1, 128, 256)
+        assert c["BLOCK_N"] == 16 and c["SPLIT_K"] == 4 and not c.get("TMA")
+        assert dense.swiglu_config(64, 128, 256) is None and dense.swiglu_config(1, 128, 512) is None
     finally:
         dense.set_dense_table(None)
 
@@ -210,7 +218,7 @@ def test_table_buckets_and_override(tmp_path):
 
 def test_packaged_table_is_well_formed():
     for key, entry in dense._table().items():
-        n, k = (int(v) for v in key.split(","))
+        n, k = (int(v) for v in key.removeprefix("swiglu:").split(","))
         for m, cfg in entry.items():
             assert 1 <= int(m) <= dense.MAX_M
             if cfg is not None:
@@ -240,6 +248,20 @@ def test_tuner_search_space(monkeypatch):
             for c in wide:
                 assert c["num_stages"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
             assert len(wide) > len(cands)
+
+
+def test_swiglu_tuner_search_space():
+    from shoal.bench import tune_dense
+
+    for M in (1, 4, 16, 32, 64, 128):
+        cands = tune_dense.swiglu_candidates(M, 19456, 2560)
+        assert cands and any(c.get("TMA") for c in cands) and any(not c.get("TMA") for c in cands)
+        for c in cands:
+            assert c["BLOCK_M"] >= min(M, 128) and c["BLOCK_N"] in (16, 32, 64, 128)
+            assert c["num_stages"] * (2 * c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
+            assert dense.finish_config(c, 2560)["KIND"] == "swap"
+        keys = [json.dumps(dense.finish_config(c, 2560), sort_keys=True) for c in cands]
+        assert len(keys) == len(set(keys))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")

@@ -14,7 +14,10 @@ The table holds every entry of the active one (``SHOAL_DENSE_TUNED`` or the pack
 that this run did not re-tune. Copy it to ``shoal/kernels/dense_tuned.json`` to make it the
 default, or point ``SHOAL_DENSE_TUNED`` at it. Kernels are timed as they are launched when
 serving (with programmatic dependent launch where enabled, so back-to-back calls overlap a
-little, which cuBLAS calls do not: ``SHOAL_PDL=0`` times them without).
+little, which cuBLAS calls do not: ``SHOAL_PDL=0`` times them without). ``--swiglu`` also
+tunes the fused gate_up + SwiGLU kernel against the unfused path (the gate_up choice, then
+``silu_mul``) per M bucket, into the table's ``"swiglu:19456,2560"`` entry (null: unfused was
+faster); every fused candidate must give the bits of its tiles run unfused.
 """
 
 from __future__ import annotations
@@ -99,6 +102,31 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     return uniq
 
 
+def swiglu_candidates(M: int, N2: int, K: int) -> list[dict]:
+    """The search space of the fused gate_up + SwiGLU kernel (``dense.dense_swiglu_triton``):
+    swap-AB tiles of 16-128 gate rows (as many up rows beside them) x 64-256 K, the split-K
+    counts of ``candidates``, the stage counts that fit, pointer and TMA loads."""
+    bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
+    out = []
+    for bn, bk in ((16, 128), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64)):
+        per_stage = (2 * bn + bm) * bk * 2
+        nw = 8 if 2 * bn * bm >= 128 * 64 or bn >= 128 else 4
+        tiles = _cdiv(N2 // 2, bn) * _cdiv(M, bm)
+        for sk in _splits(_cdiv(K, bk), tiles, options=(1, 2, 4, 8), lo=0.3 if bm >= 64 else 0.5):
+            for ns in (3, 4, 5, 6) if bm < 64 else (3, 4, 5):
+                if ns * per_stage <= SMEM:
+                    out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
+                                "num_stages": ns})
+    out += [{**c, "TMA": True} for c in out]
+    seen, uniq = set(), []
+    for c in out:
+        key = json.dumps(dense.finish_config(c, K), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq
+
+
 def short(c: dict | None) -> str:
     if not c:
         return "cuBLAS"
@@ -117,13 +145,14 @@ def short(c: dict | None) -> str:
 
 
 def _compile_jobs(jobs: list) -> int:
-    """Worker: run every (N, K, M, config) once (fills Triton's on-disk cache)."""
+    """Worker: run every (N, K, M, config, kind) once (fills Triton's on-disk cache)."""
     torch.cuda.init()
     failed = 0
-    for N, K, M, cfg in jobs:
+    for N, K, M, cfg, kind in jobs:
+        fn = dense.dense_swiglu_triton if kind == "swiglu" else dense.dense_gemm_triton
         try:
-            dense.dense_gemm_triton(torch.zeros(M, K, device=DEV, dtype=torch.bfloat16),
-                                    torch.zeros(N, K, device=DEV, dtype=torch.bfloat16), config=cfg)
+            fn(torch.zeros(M, K, device=DEV, dtype=torch.bfloat16),
+               torch.zeros(N, K, device=DEV, dtype=torch.bfloat16), config=cfg)
         except Exception:  # noqa: BLE001 - the timing loop reports it
             failed += 1
     torch.cuda.synchronize()
@@ -134,8 +163,9 @@ def precompile(plan: list, n_jobs: int) -> None:
     import multiprocessing as mp
 
     jobs, seen = [], set()
-    for _, N, K, M, cands in plan:
-        spec = ("M1" if M == 1 else "M16" if M % 16 == 0 else "Mx", N % 16 == 0, K % 16 == 0)
+    for name, N, K, M, cands in plan:
+        kind = "swiglu" if name == "swiglu" else "gemm"
+        spec = (kind, "M1" if M == 1 else "M16" if M % 16 == 0 else "Mx", N % 16 == 0, K % 16 == 0)
         for c in cands:
             f = dense.finish_config(c, K)
             f.pop("PROGRAMS", None)  # a runtime argument: one compile serves every program count
@@ -143,7 +173,7 @@ def precompile(plan: list, n_jobs: int) -> None:
                    N % f["BLOCK_N"] == 0)
             if key not in seen:
                 seen.add(key)
-                jobs.append((N, K, M, c))
+                jobs.append((N, K, M, c, kind))
     t0 = time.time()
     with mp.get_context("spawn").Pool(n_jobs) as pool:
         failed = sum(pool.map(_compile_jobs, [jobs[i::n_jobs] for i in range(n_jobs) if jobs[i::n_jobs]]))
@@ -179,6 +209,45 @@ def tune_cell(N: int, K: int, M: int, weights: list, iters: int, cands: list[dic
             "failures": [r for r in results if "error" in r][:5]}
 
 
+def tune_swiglu_cell(N2: int, K: int, M: int, weights: list, iters: int, cands: list[dict],
+                     base: dict | None) -> dict:
+    """The fused kernel's candidates against the unfused path (``base``: the gate_up GEMM's
+    tuned config, None = cuBLAS, then ``silu_mul``), cold weights; a candidate must give the bits
+    of its own tiles run unfused."""
+    from shoal.kernels.fused import silu_mul
+
+    x = torch.randn(M, K, device=DEV).bfloat16()
+    inter = N2 // 2
+    outs = [torch.empty(M, inter, dtype=torch.bfloat16, device=DEV) for _ in weights]
+    gu = torch.empty(M, N2, dtype=torch.bfloat16, device=DEV)
+
+    def unfused(i):
+        if base is None:
+            torch.mm(x, weights[i].t(), out=gu)
+        else:
+            dense.dense_gemm_triton(x, weights[i], out=gu, config=base)
+        silu_mul(gu, out=outs[i])
+
+    base_us = time_graph([lambda i=i: unfused(i) for i in range(len(weights))], iters)
+    results = []
+    for cfg in cands:
+        try:
+            y = dense.dense_swiglu_triton(x, weights[0], config=cfg)
+            if not torch.equal(y, silu_mul(dense.dense_gemm_triton(x, weights[0], config=cfg))):
+                results.append({"config": cfg, "error": "bits differ from the unfused kernels"})
+                continue
+            us = time_graph([lambda i=i, c=cfg: dense.dense_swiglu_triton(x, weights[i], out=outs[i], config=c)
+                             for i in range(len(weights))], iters)
+            results.append({"config": cfg, "us": us})
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
+            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+    ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
+    return {"N": N2, "K": K, "M": M, "shape": "gate_up+swiglu", "unfused_us": base_us, "unfused_config": base,
+            "best": ok[0] if ok else None, "top5": ok[:5], "n_tried": len(results),
+            "n_failed": sum(1 for r in results if "error" in r),
+            "failures": [r for r in results if "error" in r][:5]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -193,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", action="store_true", help="also try the L2-prefetch-before-PDL-wait variants (M <= 32)")
     ap.add_argument("--tile", action="store_true", help="also try KIND tile (tokens on the MMA's M axis, M >= 64)")
     ap.add_argument("--streamk", action="store_true", help="also try stream-K launches (KIND streamk)")
+    ap.add_argument("--swiglu", action="store_true",
+                    help="also tune the fused gate_up + SwiGLU kernel against the unfused path (table key swiglu:N,K)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         _log("tune_dense: CUDA not available; nothing to tune")
@@ -211,6 +282,10 @@ def main(argv=None) -> int:
         for M in ms:
             cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk)
             plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
+    if args.swiglu:
+        N2, K2 = SHAPES["gate_up"]
+        for M in ms:
+            plan.append(("swiglu", N2, K2, M, swiglu_candidates(M, N2, K2)))
     _log(f"tune_dense: {len(plan)} cells, {sum(len(p[4]) for p in plan)} candidates")
     if args.jobs > 0:
         try:
@@ -240,6 +315,26 @@ def main(argv=None) -> int:
                 _write(args.out, table, cells)
         del weights, w
         torch.cuda.empty_cache()
+    if args.swiglu:
+        N2, K2 = SHAPES["gate_up"]
+        torch.manual_seed(0)
+        w = (torch.randn(N2, K2, device=DEV) * K2 ** -0.5).bfloat16()
+        weights = [w] + [w.clone() for _ in range(max(1, min(31, _cdiv(256 << 20, w.numel() * 2)) - 1))]
+        for _, _, _, M, cands in (p for p in plan if p[0] == "swiglu"):
+            entry = table.get(f"{N2},{K2}", {}).get(str(M))  # this run's (or the packaged) gate_up choice
+            base = dense.finish_config(entry, K2) if entry else None
+            cell = tune_swiglu_cell(N2, K2, M, weights, args.iters, cands, base)
+            cells.append(cell)
+            b = cell["best"]
+            win = b is not None and b["us"] < (1 - args.min_gain) * cell["unfused_us"]
+            table.setdefault(f"swiglu:{N2},{K2}", {})[str(M)] = dict(b["config"]) if win else None
+            _log(f"gate_up+swiglu M={M:<4} unfused {cell['unfused_us']:7.2f} us ({short(base)} + silu_mul) | "
+                 + (f"fused {b['us']:7.2f} us ({cell['unfused_us'] / b['us']:.2f}x) {short(b['config'])}"
+                    if b else "no working config")
+                 + f" [{cell['n_tried']} tried, {cell['n_failed']} failed, {time.time() - t0:.0f}s]")
+            if args.out:
+                _write(args.out, table, cells)
+        del weights, w
     _log(f"tuned {len(cells)} cells in {time.time() - t0:.0f}s")
     return 0
 

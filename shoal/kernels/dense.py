@@ -341,6 +341,7 @@ def set_dense_table(path=None) -> None:
     _table_override[:] = [] if path is None else [str(path)]
     _table_doc.cache_clear()
     dense_config.cache_clear()
+    swiglu_config.cache_clear()
 
 
 @functools.cache
@@ -402,10 +403,12 @@ def finish_config(cfg: dict, K: int) -> dict:
 def dense_config(M: int, N: int, K: int) -> dict | None:
     """The tuned config for this GEMM (the smallest bucket >= M of its (N, K) entry), or None
     when there is none (cuBLAS is used)."""
-    if M < 1 or M > MAX_M:
-        return None
-    entry = _table().get(f"{N},{K}")
-    if not entry:
+    return _bucket(_table().get(f"{N},{K}"), M, K)
+
+
+def _bucket(entry: dict | None, M: int, K: int) -> dict | None:
+    """The config of the smallest bucket >= M of a table entry (None: none, or cuBLAS)."""
+    if not entry or M < 1 or M > MAX_M:
         return None
     for b in sorted(int(m) for m in entry):
         if M <= b:
@@ -527,10 +530,17 @@ def _launch_streamk(x: Tensor, w: Tensor, out: Tensor, counters: Tensor, cfg: di
 SWIGLU_ENV = "SHOAL_DENSE_SWIGLU"
 
 
+@functools.lru_cache(maxsize=4096)
 def swiglu_config(M: int, N2: int, K: int) -> dict | None:
-    """The fused gate_up + SwiGLU launch for ``w13 [N2 = 2I, K]``: the tuned swap-AB config of
-    the gate_up GEMM with half its weight rows per tile (each program reads BLOCK_N gate and
-    BLOCK_N up rows, the bytes of the tuned tile), or None (no tuned swap config)."""
+    """The fused gate_up + SwiGLU launch for ``w13 [N2 = 2I, K]``: the table's ``"swiglu:N2,K"``
+    entry when it has one (``tune_dense --swiglu``; a null bucket: the unfused path was
+    faster), else the tuned swap-AB config of the gate_up GEMM with half its weight rows per
+    tile (each program reads BLOCK_N gate and BLOCK_N up rows, the bytes of the tuned tile),
+    or None (no tuned swap config)."""
+    entry = _table().get(f"swiglu:{N2},{K}")
+    if entry:
+        cfg = _bucket(entry, M, K)
+        return cfg if cfg is None or cfg["KIND"] == "swap" else None
     cfg = dense_config(M, N2, K)
     if cfg is None or cfg["KIND"] != "swap" or N2 % 2:
         return None
