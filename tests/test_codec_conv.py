@@ -261,7 +261,8 @@ def test_snake_epilogue_modes_parse(monkeypatch):
     from shoal.codec.streaming import snake_epilogue_mode
 
     codec = build_codec(True, torch.device("cpu"))
-    for given, stored in ((True, True), ("all", True), ("k1", "k1"), ("none", False), (False, False)):
+    for given, stored in ((True, True), ("all", True), ("k1", "k1"), ("K1", "k1"), ("none", False), (False, False),
+                          (1, True), (0, False)):
         codec.configure_serving(snake_epilogue=given)
         assert codec.decoder.snake_epilogue == stored
     with pytest.raises(ValueError, match="snake_epilogue"):
@@ -269,6 +270,9 @@ def test_snake_epilogue_modes_parse(monkeypatch):
     for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "k1")):
         monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", env)
         assert snake_epilogue_mode() == mode
+    monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", "kl")
+    with pytest.raises(ValueError, match="SHOAL_CODEC_CONV_EPILOGUE"):
+        snake_epilogue_mode()
     monkeypatch.delenv("SHOAL_CODEC_CONV_EPILOGUE")
     assert snake_epilogue_mode() == "k1"  # the serving default
 

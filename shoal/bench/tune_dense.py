@@ -169,8 +169,9 @@ def precompile(plan: list, n_jobs: int) -> None:
         for c in cands:
             f = dense.finish_config(c, K)
             f.pop("PROGRAMS", None)  # a runtime argument: one compile serves every program count
+            rows = N // 2 if kind == "swiglu" else N  # the fused kernel's tiles cover I = N / 2 rows
             key = (spec, json.dumps(f, sort_keys=True, default=str), K % f["k_per_split"] == 0,
-                   N % f["BLOCK_N"] == 0)
+                   rows % f["BLOCK_N"] == 0)
             if key not in seen:
                 seen.add(key)
                 jobs.append((N, K, M, c, kind))

@@ -475,10 +475,13 @@ class Codec(nn.Module):
         Snakes stay separate kernels.
         """
         if snake_epilogue is not None:
-            if snake_epilogue not in (True, False, "k1", "all", "none"):
-                raise ValueError(f"snake_epilogue must be a bool, 'all', 'k1' or 'none', got {snake_epilogue!r}")
-            mode = {"all": True, "none": False}.get(snake_epilogue, snake_epilogue)  # type: ignore[arg-type]
-            self.decoder.snake_epilogue = mode
+            if isinstance(snake_epilogue, str):
+                key = snake_epilogue.strip().lower()
+                if key not in ("k1", "all", "none"):
+                    raise ValueError(f"snake_epilogue must be a bool, 'all', 'k1' or 'none', got {snake_epilogue!r}")
+                self.decoder.snake_epilogue = {"all": True, "none": False}.get(key, "k1")
+            else:
+                self.decoder.snake_epilogue = bool(snake_epilogue)
         if fused is not None:
             self.decoder.fused = bool(fused)
         if channels_last is not None:

@@ -348,7 +348,13 @@ def snake_epilogue_mode() -> bool | str:
     ``Codec.configure_serving``; all three give the same bits). ``k1`` was the fastest or tied
     at every measured call size on an H200 (docs/benchmarks.md, 2026-12-02)."""
     v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "k1").strip().lower()
-    return "k1" if v in ("k1", "") else v in ("1", "true", "yes", "on", "all")
+    if v in ("k1", ""):
+        return "k1"
+    if v in ("1", "true", "yes", "on", "all"):
+        return True
+    if v in ("0", "false", "no", "off", "none"):
+        return False
+    raise ValueError(f"SHOAL_CODEC_CONV_EPILOGUE must be k1, 1 (all) or 0 (none), got {v!r}")
 
 
 def configure_serving_layout(codec: Codec) -> str:

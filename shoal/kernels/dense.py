@@ -147,9 +147,10 @@ if HAS_TRITON:
             else:
                 offs_k = k_lo + k0 + offs_kk
                 k_mask = offs_k < K
-                w_ptrs = w_src + offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-                wg = _load_w(w_ptrs, n_mask, k_mask, EVEN_K, EVEN_N)
-                wu = _load_w(w_ptrs + I.to(tl.int64) * K, n_mask, k_mask, EVEN_K, EVEN_N)
+                wg = _load_w(w_src + offs_n[:, None].to(tl.int64) * K + offs_k[None, :], n_mask, k_mask, EVEN_K,
+                             EVEN_N)
+                wu = _load_w(w_src + (offs_n + I)[:, None].to(tl.int64) * K + offs_k[None, :], n_mask, k_mask,
+                             EVEN_K, EVEN_N)
                 a = _load_x(x_src + offs_m[:, None] * stride_xm + offs_k[None, :], m_mask, k_mask, EVEN_K)
             at = tl.trans(a)
             acc_g = _dot_acc(wg, at, acc_g, UPCAST_DOT)
@@ -456,7 +457,9 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         if counters is not None:
             _launch_streamk(x, w, out, counters, cfg, interpret)
             return out
-        # no arrival counters (first use inside a graph capture): one program per tile
+        # no arrival counters (first use inside a graph capture, which the engine's warm-up
+        # precedes): one program per tile -- the same products, summed in plain K order
+        # rather than by stream-K segments, so the last fp32 bits can differ
         cfg = finish_config({k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages",
                                                  "TMA") if k in cfg}, K)
     split = cfg["SPLIT_K"]
@@ -533,20 +536,22 @@ SWIGLU_ENV = "SHOAL_DENSE_SWIGLU"
 @functools.lru_cache(maxsize=4096)
 def swiglu_config(M: int, N2: int, K: int) -> dict | None:
     """The fused gate_up + SwiGLU launch for ``w13 [N2 = 2I, K]``: the table's ``"swiglu:N2,K"``
-    entry when it has one (``tune_dense --swiglu``; a null bucket: the unfused path was
-    faster), else the tuned swap-AB config of the gate_up GEMM with half its weight rows per
-    tile (each program reads BLOCK_N gate and BLOCK_N up rows, the bytes of the tuned tile),
-    or None (no tuned swap config)."""
+    entry when it has one (``tune_dense --swiglu``; a null bucket, or none >= M: unfused),
+    else the gate_up GEMM's own tuned swap-AB config -- the same tiles, K order and MMA
+    shape as the unfused path, so the same bits (each program then reads BLOCK_N gate and
+    BLOCK_N up rows) -- or None (no tuned swap config). A tuned entry may pick other tiles: its
+    sums equal the unfused kernel's with those tiles, which can differ from the default
+    path's in the last fp32 bits (the usual split / order freedom of a GEMM)."""
+    if N2 % 2:
+        return None
     entry = _table().get(f"swiglu:{N2},{K}")
     if entry:
         cfg = _bucket(entry, M, K)
         return cfg if cfg is None or cfg["KIND"] == "swap" else None
     cfg = dense_config(M, N2, K)
-    if cfg is None or cfg["KIND"] != "swap" or N2 % 2:
+    if cfg is None or cfg["KIND"] != "swap":
         return None
-    half = {k: v for k, v in cfg.items() if k not in ("k_per_split", "KIND", "PREFETCH")}
-    half["BLOCK_N"] = max(16, cfg["BLOCK_N"] // 2)
-    return finish_config(half, K)
+    return finish_config({k: v for k, v in cfg.items() if k not in ("k_per_split", "KIND", "PREFETCH")}, K)
 
 
 def dense_swiglu_triton(x: Tensor, w13: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
@@ -609,9 +614,12 @@ def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
     a swap-AB gate_up config: the same bits without the [M, 2I] intermediate and one launch."""
     from .fused import silu_mul
 
-    if _swiglu_enabled() and x.dim() >= 2 and x.is_cuda and 0 < x.numel() <= MAX_M * x.shape[-1]:
+    if (_swiglu_enabled() and HAS_TRITON and _enabled() and x.dim() >= 2 and x.is_cuda
+            and 0 < x.numel() <= MAX_M * x.shape[-1] and x.dtype == torch.bfloat16
+            and w13.dtype == torch.bfloat16 and w13.is_contiguous()):
         x2 = x.reshape(-1, x.shape[-1])
-        if use_dense_kernel(x2, w13) and swiglu_config(x2.shape[0], w13.shape[0], w13.shape[1]) is not None:
+        if (_device_sms(x2) == table_sms()
+                and swiglu_config(x2.shape[0], w13.shape[0], w13.shape[1]) is not None):
             return dense_swiglu_triton(x2, w13).view(*x.shape[:-1], w13.shape[0] // 2)
     return silu_mul(dense_linear(x, w13))
 
