@@ -111,7 +111,8 @@ def gemm_probe(res):
                     kbt = K // c["BLOCK_K"] if lay == "blocked" else 0
                     gemm(x, ws[0], c, kbt, outs[0], counters)
                     err = ((outs[0].float() - ref).abs().max() / ref.abs().max()).item()
-                    us = time_graph([lambda i=i: gemm(x, ws[i], c, kbt, outs[i], counters) for i in range(COPIES)], 20)
+                    us = time_graph([lambda i=i, ws=ws, outs=outs: gemm(x, ws[i], c, kbt, outs[i], counters)
+                                     for i in range(COPIES)], 20)
                     row[lay] = {"us": us, "tbps": N * K * 2 / us / 1e6, "rel_err": err}
                     del ws, outs
                 key = (f"gemm {name} M={M} {c['BLOCK_N']}x{c['BLOCK_M']}x{c['BLOCK_K']} sk{c['SPLIT_K']} "

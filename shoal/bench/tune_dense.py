@@ -44,6 +44,17 @@ DEV = "cuda"
 SMEM_SM = 227 * 1024  # shared memory per SM: how many stream-K programs can be resident at once
 
 
+def _unique(cands: list[dict], K: int) -> list[dict]:
+    """``cands`` without the ones that launch the same kernel as an earlier one."""
+    seen, uniq = set(), []
+    for c in cands:
+        key = json.dumps(dense.finish_config(c, K), sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq
+
+
 def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False,
                streamk: bool = False) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
@@ -93,13 +104,7 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     if tile and bm >= 64:
         tiled = [{**c, "TMA": True, "KIND": "tile"} for c in out if c["BLOCK_N"] >= 128]
     out += [{**c, "TMA": True} for c in out] + with_pf + tiled  # the same launches with TMA operand loads
-    seen, uniq = set(), []
-    for c in out:
-        key = json.dumps(dense.finish_config(c, K), sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            uniq.append(c)
-    return uniq
+    return _unique(out, K)
 
 
 def swiglu_candidates(M: int, N2: int, K: int) -> list[dict]:
@@ -118,13 +123,7 @@ def swiglu_candidates(M: int, N2: int, K: int) -> list[dict]:
                     out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
                                 "num_stages": ns})
     out += [{**c, "TMA": True} for c in out]
-    seen, uniq = set(), []
-    for c in out:
-        key = json.dumps(dense.finish_config(c, K), sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            uniq.append(c)
-    return uniq
+    return _unique(out, K)
 
 
 def short(c: dict | None) -> str:
@@ -182,24 +181,56 @@ def precompile(plan: list, n_jobs: int) -> None:
          f"({failed} failed)")
 
 
+def _keep(table: dict, key: str, M: int, cell: dict, ref_us: float, min_gain: float) -> dict | None:
+    """Enter the cell's best config in ``table[key][M]`` when it beats ``ref_us`` by ``min_gain``
+    (else null: the reference path); returns the best result."""
+    b = cell["best"]
+    win = b is not None and b["us"] < (1 - min_gain) * ref_us
+    table.setdefault(key, {})[str(M)] = dict(b["config"]) if win else None
+    return b
+
+
+def _tried(cell: dict, t0: float) -> str:
+    return f" [{cell['n_tried']} tried, {cell['n_failed']} failed, {time.time() - t0:.0f}s]"
+
+
+def _cold_weights(N: int, K: int) -> list:
+    """A random bf16 weight [N, K] and enough copies that a pass over them exceeds L2 (cold reads)."""
+    torch.manual_seed(0)
+    w = (torch.randn(N, K, device=DEV) * K ** -0.5).bfloat16()
+    return [w] + [w.clone() for _ in range(max(1, min(31, _cdiv(256 << 20, w.numel() * 2)) - 1))]
+
+
+def _time_candidates(cands: list[dict], check, run, copies: int, iters: int) -> list[dict]:
+    """Every candidate: ``check(cfg)`` (an error string or None), then the CUDA-graph time of
+    ``run(i, cfg)`` over the ``copies`` weight copies; a config that fails to compile or fit is
+    recorded with its error."""
+    results = []
+    for cfg in cands:
+        try:
+            err = check(cfg)
+            if err:
+                results.append({"config": cfg, "error": err})
+                continue
+            us = time_graph([lambda i=i, c=cfg: run(i, c) for i in range(copies)], iters)
+            results.append({"config": cfg, "us": us})
+        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
+            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+    return results
+
+
 def tune_cell(N: int, K: int, M: int, weights: list, iters: int, cands: list[dict]) -> dict:
     x = torch.randn(M, K, device=DEV).bfloat16()
     ref = dense.dense_gemm_ref(x, weights[0]).float()
     outs = [torch.empty(M, N, dtype=torch.bfloat16, device=DEV) for _ in weights]
     cublas = time_graph([lambda i=i: torch.mm(x, weights[i].t(), out=outs[i]) for i in range(len(weights))], iters)
-    results = []
-    for cfg in cands:
-        try:
-            y = dense.dense_gemm_triton(x, weights[0], config=cfg).float()
-            rel = ((y - ref).abs().max() / ref.abs().max()).item()
-            if rel > 2.0 ** -7:
-                results.append({"config": cfg, "error": f"rel {rel:.2e}"})
-                continue
-            us = time_graph([lambda i=i, c=cfg: dense.dense_gemm_triton(x, weights[i], out=outs[i], config=c)
-                             for i in range(len(weights))], iters)
-            results.append({"config": cfg, "us": us})
-        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
-            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+    def check(cfg):
+        y = dense.dense_gemm_triton(x, weights[0], config=cfg).float()
+        rel = ((y - ref).abs().max() / ref.abs().max()).item()
+        return f"rel {rel:.2e}" if rel > 2.0 ** -7 else None
+
+    results = _time_candidates(cands, check, lambda i, c: dense.dense_gemm_triton(x, weights[i], out=outs[i], config=c),
+                               len(weights), iters)
     ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
     best = ok[0] if ok else None
     nbytes = 2 * (N * K + M * K + M * N)
@@ -230,18 +261,14 @@ def tune_swiglu_cell(N2: int, K: int, M: int, weights: list, iters: int, cands: 
         silu_mul(gu, out=outs[i])
 
     base_us = time_graph([lambda i=i: unfused(i) for i in range(len(weights))], iters)
-    results = []
-    for cfg in cands:
-        try:
-            y = dense.dense_swiglu_triton(x, weights[0], config=cfg)
-            if not torch.equal(y, silu_mul(dense.dense_gemm_triton(x, weights[0], config=cfg))):
-                results.append({"config": cfg, "error": "bits differ from the unfused kernels"})
-                continue
-            us = time_graph([lambda i=i, c=cfg: dense.dense_swiglu_triton(x, weights[i], out=outs[i], config=c)
-                             for i in range(len(weights))], iters)
-            results.append({"config": cfg, "us": us})
-        except Exception as e:  # noqa: BLE001 - a config that does not compile / fit is skipped
-            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+    def check(cfg):
+        y = dense.dense_swiglu_triton(x, weights[0], config=cfg)
+        same = torch.equal(y, silu_mul(dense.dense_gemm_triton(x, weights[0], config=cfg)))
+        return None if same else "bits differ from the unfused kernels"
+
+    results = _time_candidates(cands, check,
+                               lambda i, c: dense.dense_swiglu_triton(x, weights[i], out=outs[i], config=c),
+                               len(weights), iters)
     ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
     return {"N": N2, "K": K, "M": M, "shape": "gate_up+swiglu", "unfused_us": base_us, "unfused_config": base,
             "best": ok[0] if ok else None, "top5": ok[:5], "n_tried": len(results),
@@ -298,44 +325,36 @@ def main(argv=None) -> int:
     cells: list[dict] = []
     for name in names:
         N, K = SHAPES[name]
-        torch.manual_seed(0)
-        w = (torch.randn(N, K, device=DEV) * K ** -0.5).bfloat16()
-        weights = [w] + [w.clone() for _ in range(max(1, min(31, _cdiv(256 << 20, w.numel() * 2)) - 1))]
+        weights = _cold_weights(N, K)
         for _, _, _, M, cands in (p for p in plan if p[0] == name):
             cell = tune_cell(N, K, M, weights, args.iters, cands)
             cell["shape"] = name
             cells.append(cell)
-            b = cell["best"]
-            win = b is not None and b["us"] < (1 - args.min_gain) * cell["cublas_us"]
-            table.setdefault(f"{N},{K}", {})[str(M)] = dict(b["config"]) if win else None
+            b = _keep(table, f"{N},{K}", M, cell, cell["cublas_us"], args.min_gain)
             _log(f"{name:>13} M={M:<4} cuBLAS {cell['cublas_us']:7.2f} us ({cell['cublas_tbps']:.2f} TB/s) | "
                  + (f"best {b['us']:7.2f} us ({cell['best_tbps']:.2f} TB/s, {cell['cublas_us'] / b['us']:.2f}x) "
                     f"{short(b['config'])}" if b else "no working config")
-                 + f" [{cell['n_tried']} tried, {cell['n_failed']} failed, {time.time() - t0:.0f}s]")
+                 + _tried(cell, t0))
             if args.out:
                 _write(args.out, table, cells)
-        del weights, w
+        del weights
         torch.cuda.empty_cache()
     if args.swiglu:
         N2, K2 = SHAPES["gate_up"]
-        torch.manual_seed(0)
-        w = (torch.randn(N2, K2, device=DEV) * K2 ** -0.5).bfloat16()
-        weights = [w] + [w.clone() for _ in range(max(1, min(31, _cdiv(256 << 20, w.numel() * 2)) - 1))]
+        weights = _cold_weights(N2, K2)
         for _, _, _, M, cands in (p for p in plan if p[0] == "swiglu"):
             entry = table.get(f"{N2},{K2}", {}).get(str(M))  # this run's (or the packaged) gate_up choice
             base = dense.finish_config(entry, K2) if entry else None
             cell = tune_swiglu_cell(N2, K2, M, weights, args.iters, cands, base)
             cells.append(cell)
-            b = cell["best"]
-            win = b is not None and b["us"] < (1 - args.min_gain) * cell["unfused_us"]
-            table.setdefault(f"swiglu:{N2},{K2}", {})[str(M)] = dict(b["config"]) if win else None
+            b = _keep(table, f"swiglu:{N2},{K2}", M, cell, cell["unfused_us"], args.min_gain)
             _log(f"gate_up+swiglu M={M:<4} unfused {cell['unfused_us']:7.2f} us ({short(base)} + silu_mul) | "
                  + (f"fused {b['us']:7.2f} us ({cell['unfused_us'] / b['us']:.2f}x) {short(b['config'])}"
                     if b else "no working config")
-                 + f" [{cell['n_tried']} tried, {cell['n_failed']} failed, {time.time() - t0:.0f}s]")
+                 + _tried(cell, t0))
             if args.out:
                 _write(args.out, table, cells)
-        del weights, w
+        del weights
     _log(f"tuned {len(cells)} cells in {time.time() - t0:.0f}s")
     return 0
 

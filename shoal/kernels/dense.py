@@ -76,6 +76,16 @@ if HAS_TRITON:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _swap_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (n, m, s) of a (weight tile, token tile, split) grid: its ids, weight rows,
+        token rows and the K offsets within a block."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        return (pid_n, pid_m, pid_k, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m * BLOCK_M + tl.arange(0, BLOCK_M),
+                tl.arange(0, BLOCK_K))
+
+    @triton.jit
     def _load_w(w_ptrs, n_mask, k_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
         """One K block of a weight tile (masks only where the shape needs them)."""
         if EVEN_K:
@@ -128,12 +138,7 @@ if HAS_TRITON:
         ``silu_mul``: the [M, 2I] intermediate and one launch disappear. TMA: descriptors
         (a gate tile's rows past I read up rows; they are never stored)."""
         pdl_enter(PDL)
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_kk = tl.arange(0, BLOCK_K)
+        pid_n, pid_m, pid_k, offs_n, offs_m, offs_kk = _swap_tile(BLOCK_M, BLOCK_N, BLOCK_K)
         n_mask = offs_n < I
         m_mask = offs_m < M
         k_lo = pid_k * k_per_split
@@ -193,12 +198,7 @@ if HAS_TRITON:
         before waiting for the previous kernel, prefetch the first PREFETCH columns of this
         program's weight rows into L2 (the weights are never written by a kernel, so reading
         them early is safe): the weight stream starts while the predecessor finishes."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_kk = tl.arange(0, BLOCK_K)
+        pid_n, pid_m, pid_k, offs_n, offs_m, offs_kk = _swap_tile(BLOCK_M, BLOCK_N, BLOCK_K)
         m_mask = offs_m < M
         n_mask = offs_n < N
         k_lo = pid_k * k_per_split
@@ -428,6 +428,21 @@ def _enabled() -> bool:
 # --------------------------------------------------------------------------------------
 
 
+def _operands(what: str, x: Tensor, w: Tensor, w_desc: str, even_rows: bool = False) -> tuple[Tensor, Tensor, bool]:
+    """Checked kernel operands: ``x [M, K]`` with unit stride along K, ``w`` contiguous, both
+    bf16 (``even_rows``: w has an even row count); and whether Triton interprets."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1] or (even_rows and w.shape[0] % 2):
+        raise ValueError(f"{what}: x [M, K] and {w_desc} expected, got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise ValueError(f"{what}: bf16 operands expected, got {x.dtype} and {w.dtype}")
+    interpret = _require_triton(x)
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    return x, w, interpret
+
+
 def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
     contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
@@ -435,15 +450,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     tests); without either, a plain default. ``TMA``: read the operands through tensor
     descriptors (``_dense_tma_kernel``; pointer loads when a base or row stride is not 16-byte
     aligned)."""
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"dense_gemm: x [M, K] and w [N, K] expected, got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        raise ValueError(f"dense_gemm: bf16 operands expected, got {x.dtype} and {w.dtype}")
-    interpret = _require_triton(x)
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    if not w.is_contiguous():
-        w = w.contiguous()
+    x, w, interpret = _operands("dense_gemm", x, w, "w [N, K]")
     M, K = x.shape
     N = w.shape[0]
     out = _out_buffer(out, M, N, x.device)
@@ -560,16 +567,7 @@ def dense_swiglu_triton(x: Tensor, w13: Tensor, *, out: Tensor | None = None, co
     ``config``: BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA (swap-AB only). Without
     arrival counters for a split config (first use inside a graph capture) it runs the GEMM
     with the same tiles and then ``silu_mul``: the same bits."""
-    if x.dim() != 2 or w13.dim() != 2 or x.shape[1] != w13.shape[1] or w13.shape[0] % 2:
-        raise ValueError(f"dense_swiglu: x [M, K] and w13 [2I, K] expected, got {tuple(x.shape)} and "
-                         f"{tuple(w13.shape)}")
-    if x.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16:
-        raise ValueError(f"dense_swiglu: bf16 operands expected, got {x.dtype} and {w13.dtype}")
-    interpret = _require_triton(x)
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    if not w13.is_contiguous():
-        w13 = w13.contiguous()
+    x, w13, interpret = _operands("dense_swiglu", x, w13, "w13 [2I, K]", even_rows=True)
     M, K = x.shape
     inter = w13.shape[0] // 2
     cfg = finish_config(config if config is not None else (swiglu_config(M, 2 * inter, K) or {}), K)
