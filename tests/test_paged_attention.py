@@ -131,7 +131,7 @@ INTERP_CASES = {
     "s2pro_heads_fp32_s3_bn16": (1, 32, 8, 128, 32, [90], "fp32", 3, 16, "neg1"),
 }
 # Extra worker checks: public entry point dispatch, out=, strided q / caches.
-EXTRA_CASES = ["public_dispatch_bf16", "out_and_strided_fp32"]
+EXTRA_CASES = ["public_dispatch_bf16", "out_and_strided_fp32", "fused_reduce_bitwise"]
 
 
 def _err(a, b):
@@ -168,6 +168,24 @@ def _run_interp_case(name):
         untouched = bool((out_big[:, :, D:] == 7.0).all())
         return {"err": _err(out, r), "finite": bool(torch.isfinite(out).all()),
                 "dtype_ok": res.data_ptr() == out.data_ptr() and untouched, "tol": 1e-4}
+    if name == "fused_reduce_bitwise":
+        # the splits merged by their last program equal the reduce kernel's output bit for bit
+        # (split cases above incl. empty splits and S2-Pro heads), and every counter is reset
+        from shoal.kernels import fp8
+
+        same = True
+        for case in ("g1_d32_bs8_fp32_s3_bn16", "g2_d64_bs16_bf16_s5_bn16", "g4_d32_bs8_bf16_s4_bn16_empty_splits",
+                     "s2pro_heads_fp32_s3_bn16"):
+            B, H, H_kv, D, bs, lens, dt, splits, block_n, fill = INTERP_CASES[case]
+            q, k, v, bt, cl, _, _ = make_case(B, H, H_kv, D, bs, lens, _DTYPES[dt], fill=fill, seed=3)
+            a = pa.paged_decode_attention_triton(q, k, v, bt, cl, 0.1, num_splits=splits, block_n=block_n,
+                                                 fused_reduce=False)
+            b = pa.paged_decode_attention_triton(q, k, v, bt, cl, 0.1, num_splits=splits, block_n=block_n,
+                                                 fused_reduce=True)
+            same = same and torch.equal(a, b)
+        counters = fp8._counters.get(("cpu", None))
+        reset = counters is not None and not bool(counters.any())
+        return {"err": 0.0 if same else 1.0, "finite": True, "dtype_ok": reset, "tol": 0.0}
     raise KeyError(name)
 
 
@@ -362,6 +380,32 @@ def test_gpu_splits_and_tiles(splits, block_n, D, H, H_kv, bs):
     o = pa.paged_decode_attention_triton(q, k, v, bt, cl, D**-0.5, num_splits=splits, block_n=block_n)
     r = pa.paged_decode_attention_ref(q, k, v, bt, cl, D**-0.5)
     torch.testing.assert_close(o.float(), r.float(), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@pytest.mark.parametrize("splits", [2, 7, 64])
+@pytest.mark.parametrize("B", [1, 5])
+def test_gpu_fused_reduce_is_bit_identical(splits, B):
+    """The splits merged by their last program (SHOAL_ATTN_FUSED_REDUCE) equal the reduce kernel
+    bit for bit at S2-Pro heads, also inside a CUDA graph, and leave every counter at 0."""
+    from shoal.kernels import fp8
+
+    lens = [1, 2047, 700, 33, 4000][:B]
+    q, k, v, bt, cl = _gpu_case(B, 32, 8, 128, 16, lens, torch.bfloat16, seed=splits)
+    a = pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, fused_reduce=False)
+    b = pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, fused_reduce=True)
+    assert torch.equal(a, b)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, fused_reduce=True, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, a)
+    counters = fp8._counters.get(("cuda", q.device.index))
+    assert counters is not None and not bool(counters.any())
 
 
 @gpu

@@ -211,6 +211,9 @@ if HAS_TRITON:
         KV_FP8: tl.constexpr,
         CVT_F16: tl.constexpr,
         PDL: tl.constexpr = False,
+        cnt_ptr=None,
+        SPLITS_PAD: tl.constexpr = 2,
+        FUSED_REDUCE: tl.constexpr = False,
     ):
         pdl_enter(PDL)
         kvh = tl.program_id(0)
@@ -296,6 +299,18 @@ if HAS_TRITON:
             p_off = b * stride_pb + heads * stride_ph + split * stride_ps
             tl.store(po_ptr + p_off[:, None] + offs_d[None, :], out, mask=g_mask[:, None])
             tl.store(plse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+            if FUSED_REDUCE:
+                # the last split of this (sequence, KV head) to arrive merges the splits of its
+                # query heads: the reduce kernel's arithmetic without its launch
+                tl.debug_barrier()  # every thread's partials stored before the (release) arrival
+                cnt = cnt_ptr + b * tl.num_programs(0) + kvh
+                prev = tl.atomic_add(cnt, 1, sem="acq_rel")
+                if prev == NUM_SPLITS - 1:
+                    for gi in tl.static_range(GROUP):
+                        _merge_splits(po_ptr, plse_ptr, o_ptr, kvh * GROUP + gi, b, stride_pb, stride_ph, stride_ps,
+                                      stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM,
+                                      True)
+                    tl.atomic_xchg(cnt, 0)
 
     def _reduce_kernel(
         po_ptr,
@@ -314,24 +329,18 @@ if HAS_TRITON:
         PDL: tl.constexpr = False,
     ):
         pdl_enter(PDL)
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-        offs_s = tl.arange(0, SPLITS_PAD)
-        offs_d = tl.arange(0, HEAD_DIM)
-        s_mask = offs_s < NUM_SPLITS
-        lse = tl.load(plse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
-        po = tl.load(
-            po_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-            mask=s_mask[:, None],
-            other=0.0,
-        )
-        num = tl.sum(w[:, None] * po, 0)
-        den = tl.sum(w, 0)
-        den = tl.where(den > 0.0, den, 1.0)
-        tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, (num / den).to(o_ptr.dtype.element_ty))
+        _merge_splits(po_ptr, plse_ptr, o_ptr, tl.program_id(0), tl.program_id(1), stride_pb, stride_ph, stride_ps,
+                      stride_lb, stride_lh, stride_ob, stride_oh, NUM_SPLITS, SPLITS_PAD, HEAD_DIM, False)
+
+
+FUSED_REDUCE_ENV = "SHOAL_ATTN_FUSED_REDUCE"
+
+
+@functools.cache
+def attention_fused_reduce() -> bool:
+    """``SHOAL_ATTN_FUSED_REDUCE=1``: the decode attention's splits merged by their last
+    program instead of the reduce kernel (see :func:`paged_decode_attention_triton`)."""
+    return os.environ.get(FUSED_REDUCE_ENV, "0") in ("1", "true", "yes", "on")
 
 
 PDL_ENV = "SHOAL_PDL"
@@ -419,6 +428,33 @@ if HAS_TRITON:
         from triton.runtime.jit import JITFunction as _Wrap
     _mma = _Wrap(_mma_impl)
     _attend_tile = _Wrap(_attend_tile_impl)
+
+    def _merge_splits_impl(po_ptr, plse_ptr, o_ptr, h, b, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                           stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, CG: tl.constexpr):
+        """Query head ``h`` of sequence ``b``: the splits' outputs weighted by their
+        log2-sum-exp2 -> ``o``. CG: read the partials at L2 (written by other programs of the
+        same kernel)."""
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        s_mask = offs_s < NUM_SPLITS
+        lse_ptrs = plse_ptr + b * stride_lb + h * stride_lh + offs_s
+        po_ptrs = po_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+        if CG:
+            lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+            po = tl.load(po_ptrs, mask=s_mask[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"))
+            po = tl.load(po_ptrs, mask=s_mask[:, None], other=0.0)
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m)  # empty splits: exp2(-inf) = 0
+        num = tl.sum(w[:, None] * po, 0)
+        den = tl.sum(w, 0)
+        den = tl.where(den > 0.0, den, 1.0)
+        tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, (num / den).to(o_ptr.dtype.element_ty))
+
+    _merge_splits = _Wrap(_merge_splits_impl)
 
     def _pdl_enter_impl(PDL: tl.constexpr):
         """First statement of a PDL-capable kernel (see :func:`pdl_enabled`)."""
@@ -516,9 +552,14 @@ def paged_decode_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     cvt: Optional[str] = None,
+    fused_reduce: Optional[bool] = None,
 ):
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
+
+    ``fused_reduce`` (default ``SHOAL_ATTN_FUSED_REDUCE=1``, off until measured on a GPU): with
+    several splits, the last split of each (sequence, KV head) merges them (per-pair arrival
+    counters) instead of a second kernel -- the same arithmetic, so the same bits.
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
@@ -591,6 +632,11 @@ def paged_decode_attention_triton(
 
     split_kernel, reduce_kernel = _kernels(bool(interpret))
     pdl = pdl_options(q)
+    counters = None
+    if num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
+        from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)
+
+        counters = _tile_counters(q.device, B * H_kv)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_kernel[(H_kv, B, num_splits)](
         q,
@@ -628,11 +674,14 @@ def paged_decode_attention_triton(
         UPCAST_DOT=bool(interpret),  # see _mma_impl
         KV_FP8=kv_fp8,
         CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
+        cnt_ptr=counters if counters is not None else context_lens,
+        SPLITS_PAD=max(2, _next_pow2(num_splits)),
+        FUSED_REDUCE=counters is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl,
     )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         reduce_kernel[(H, B)](
             partial_o,
             partial_lse,
