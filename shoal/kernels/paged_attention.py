@@ -559,7 +559,9 @@ def paged_decode_attention_triton(
 
     ``fused_reduce`` (default ``SHOAL_ATTN_FUSED_REDUCE=1``, off until measured on a GPU): with
     several splits, the last split of each (sequence, KV head) merges them (per-pair arrival
-    counters) instead of a second kernel -- the same arithmetic, so the same bits.
+    counters) instead of a second kernel -- the same arithmetic, so the same bits when the split
+    kernel runs the reduce kernel's 4 warps (the default; other warp counts may sum the splits
+    in another order).
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
