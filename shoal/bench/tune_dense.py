@@ -44,6 +44,11 @@ DEV = "cuda"
 SMEM_SM = 227 * 1024  # shared memory per SM: how many stream-K programs can be resident at once
 
 
+def _token_tile(M: int) -> int:
+    """The token tile of an M bucket: M rounded up to a power of two, 16 to MAX_M."""
+    return max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
+
+
 def _unique(cands: list[dict], K: int) -> list[dict]:
     """``cands`` without the ones that launch the same kernel as an earlier one."""
     seen, uniq = set(), []
@@ -69,7 +74,7 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     as fit its shared memory at once), at least 2 K blocks each (measured on the H200 on
     2026-12-02 at M = 1 and 64: the best of them within 5% of the best config in one cell of
     12, never ahead)."""
-    bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
+    bm = _token_tile(M)
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
     # weight tiles (128-256 rows) keep that traffic below the weight stream's
@@ -111,7 +116,7 @@ def swiglu_candidates(M: int, N2: int, K: int) -> list[dict]:
     """The search space of the fused gate_up + SwiGLU kernel (``dense.dense_swiglu_triton``):
     swap-AB tiles of 16-128 gate rows (as many up rows beside them) x 64-256 K, the split-K
     counts of ``candidates``, the stage counts that fit, pointer and TMA loads."""
-    bm = max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
+    bm = _token_tile(M)
     out = []
     for bn, bk in ((16, 128), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64)):
         per_stage = (2 * bn + bm) * bk * 2

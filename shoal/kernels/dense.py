@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters, _tma_ok
+from .fused import silu_mul
 from .paged_attention import HAS_TRITON, pdl_options, tl, triton
 
 __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table",
@@ -443,6 +444,22 @@ def _operands(what: str, x: Tensor, w: Tensor, w_desc: str, even_rows: bool = Fa
     return x, w, interpret
 
 
+def _launch_kw(cfg: dict, x: Tensor, interpret: bool) -> dict:
+    """Launch options of a config (none under the interpreter), with PDL where enabled."""
+    return {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
+
+
+def _descriptors(x: Tensor, w: Tensor, cfg: dict) -> tuple:
+    """``(x, w, tma)``: tensor descriptors of the config's tiles when it asks for TMA and the
+    operands allow it (16-byte aligned), else the tensors themselves and False."""
+    if not (cfg.get("TMA") and _tma_ok(x, w)):
+        return x, w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]]),
+            TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]), True)
+
+
 def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
     contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
@@ -476,16 +493,13 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
         work = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
         counters = _tile_counters(x.device, tiles_m * tiles_n)
     even_k = K % cfg["k_per_split"] == 0
-    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
+    kw = _launch_kw(cfg, x, interpret)
     prefetch = cfg["PREFETCH"] if kw.get("PDL") else 0
     grid = (tiles_n, tiles_m, split)
     part = x if work is None else work
     cnt = out if counters is None else counters
-    if cfg.get("TMA") and _tma_ok(x, w):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_desc = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-        w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    x_desc, w_desc, tma = _descriptors(x, w, cfg)
+    if tma:
         _dense_tma_kernel[grid](x_desc, w_desc, out, part, cnt, M, N, out.stride(0), cfg["k_per_split"],
                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                                 SPLIT_K=split, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
@@ -522,15 +536,8 @@ def _launch_streamk(x: Tensor, w: Tensor, out: Tensor, counters: Tensor, cfg: di
     tiles_n, kbt, iters, progs, maxc = streamk_plan(M, N, K, bm, bn, bk, cfg["PROGRAMS"])
     tiles = iters // kbt
     part = torch.empty(tiles * maxc * bn * bm if maxc > 1 else 1, dtype=torch.float32, device=x.device)
-    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
-    tma = bool(cfg.get("TMA")) and _tma_ok(x, w)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        xs = TensorDescriptor.from_tensor(x, [bm, bk])
-        ws = TensorDescriptor.from_tensor(w, [bn, bk])
-    else:
-        xs, ws = x, w
+    kw = _launch_kw(cfg, x, interpret)
+    xs, ws, tma = _descriptors(x, w, cfg)
     _dense_streamk_kernel[(progs,)](xs, ws, out, part, counters, M, N, K, x.stride(0), out.stride(0),
                                     tiles_n, kbt, iters, progs, maxc, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                     TMA=tma, EVEN_K=K % bk == 0, EVEN_N=N % bn == 0,
@@ -580,19 +587,10 @@ def dense_swiglu_triton(x: Tensor, w13: Tensor, *, out: Tensor | None = None, co
     tiles_m, tiles_n = _cdiv(M, cfg["BLOCK_M"]), _cdiv(inter, cfg["BLOCK_N"])
     counters = _tile_counters(x.device, tiles_m * tiles_n) if split > 1 else None
     if K == 0 or (split > 1 and counters is None):
-        from .fused import silu_mul
-
         return silu_mul(dense_gemm_triton(x, w13, config=cfg), out=out)
     part = torch.empty(2 * split, M, inter, dtype=torch.float32, device=x.device) if split > 1 else x
-    kw = {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
-    tma = bool(cfg.get("TMA")) and _tma_ok(x, w13)
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        xs = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
-        ws = TensorDescriptor.from_tensor(w13, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-    else:
-        xs, ws = x, w13
+    kw = _launch_kw(cfg, x, interpret)
+    xs, ws, tma = _descriptors(x, w13, cfg)
     _dense_swiglu_kernel[(tiles_n, tiles_m, split)](
         xs, ws, out, part, counters if counters is not None else out, M, inter, K, x.stride(0), out.stride(0),
         cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
@@ -610,25 +608,23 @@ def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
     """``silu_mul(dense_linear(x, w13))`` for any leading dims; with ``SHOAL_DENSE_SWIGLU=1``
     (off by default until it is measured on a GPU) the fused kernel where the tuned table has
     a swap-AB gate_up config: the same bits without the [M, 2I] intermediate and one launch."""
-    from .fused import silu_mul
-
-    if (_swiglu_enabled() and HAS_TRITON and _enabled() and x.dim() >= 2 and x.is_cuda
-            and 0 < x.numel() <= MAX_M * x.shape[-1] and x.dtype == torch.bfloat16
-            and w13.dtype == torch.bfloat16 and w13.is_contiguous()):
+    if _swiglu_enabled() and x.dim() >= 2 and x.is_cuda and 0 < x.numel() <= MAX_M * x.shape[-1]:
         x2 = x.reshape(-1, x.shape[-1])
-        if (_device_sms(x2) == table_sms()
-                and swiglu_config(x2.shape[0], w13.shape[0], w13.shape[1]) is not None):
+        if _eligible(x2, w13) and swiglu_config(x2.shape[0], w13.shape[0], w13.shape[1]) is not None:
             return dense_swiglu_triton(x2, w13).view(*x.shape[:-1], w13.shape[0] // 2)
     return silu_mul(dense_linear(x, w13))
 
 
-def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
-    """True when :func:`dense_linear` would run the Triton kernel for these operands."""
+def _eligible(x: Tensor, w: Tensor) -> bool:
+    """2-D bf16 CUDA operands (contiguous weight) on a GPU of the table's SM count, kernels on."""
     if not (HAS_TRITON and x.is_cuda and _enabled()) or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return False
-    if x.dim() != 2 or not w.is_contiguous():
-        return False
-    return _device_sms(x) == table_sms() and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
+    return x.dim() == 2 and w.is_contiguous() and _device_sms(x) == table_sms()
+
+
+def use_dense_kernel(x: Tensor, w: Tensor) -> bool:
+    """True when :func:`dense_linear` would run the Triton kernel for these operands."""
+    return _eligible(x, w) and dense_config(x.shape[0], w.shape[0], w.shape[1]) is not None
 
 
 def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
