@@ -12,7 +12,7 @@ pkgs=(soundfile soxr cffi pycparser fastapi starlette pydantic pydantic-core ann
       typing-inspection annotated-doc opentelemetry-api uvicorn ormsgpack python-multipart
       wsproto av num2words httpx-ws)
 for p in "${pkgs[@]}"; do
-  v=$(python3 -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')
+  v=$(python3 -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p' || true)
   spec="$p${v:+==$v}"   # the versions tested here when installed, else the latest
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
