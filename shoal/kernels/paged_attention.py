@@ -557,7 +557,7 @@ def paged_decode_attention_triton(
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
 
-    ``fused_reduce`` (default ``SHOAL_ATTN_FUSED_REDUCE=1``, off until measured on a GPU): with
+    ``fused_reduce`` (default ``SHOAL_ATTN_FUSED_REDUCE=1``; off: slower on an H200, docs/benchmarks.md): with
     several splits, the last split of each (sequence, KV head) merges them (per-pair arrival
     counters) instead of a second kernel -- the same arithmetic, so the same bits when the split
     kernel runs the reduce kernel's 4 warps (the default; other warp counts may sum the splits
