@@ -82,7 +82,39 @@ def _splits(KB: int, tiles: int, options=(1, 2, 4, 8, 16), lo: float = 0.5, hi: 
     return out
 
 
-def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[dict]:
+def mma_v2_candidates(M: int, N: int, K: int) -> list[dict]:
+    """Launches whose MMA is Ampere's synchronous ``mma.sync`` (m16n8k32 e4m3) instead of
+    Hopper's asynchronous wgmma, for 16-128 tokens: Triton takes wgmma only for 64 or more rows
+    on the MMA's M axis per warp group, so the tile kernel with 16/32-token tiles and the swap
+    kernel with 16/32 weight rows lower to mma.sync. Why try them: a wgmma's fp32 result must be
+    waited for before the per-K-block scales apply, and Triton waits for all of it right away
+    (``warp_group_dot_wait`` with 0 pending) -- the serial chain that bounds the 64-token cells;
+    a synchronous MMA's result is ordinary registers, so the compiler can overlap one K block's
+    scaling with the next block's MMAs."""
+    KB = _cdiv(K, 128)
+    out: list[dict] = []
+    for bm in (16, 32):  # tile kernel: tokens on the MMA's M axis
+        if bm > fp8._pow2(M) and bm > 16:
+            continue
+        for bn, nw in ((64, 4), (128, 4), (256, 8)):
+            tiles = _cdiv(M, bm) * _cdiv(N, bn)
+            for sk in _splits(KB, tiles, options=(1, 2, 4, 8), lo=0.3, hi=8.0):
+                for ns in (3, 4):
+                    out.append({"KIND": "tile", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk, "num_warps": nw,
+                                "num_stages": ns})
+    for bn in (16, 32):  # swap kernel: weight rows on the MMA's M axis
+        for bm in sorted({min(64, max(16, fp8._pow2(M))), 16 if M <= 16 else 32}):
+            tiles = _cdiv(M, bm) * _cdiv(N, bn)
+            for sk in _splits(KB, tiles, options=(1, 2, 4, 8), lo=0.3, hi=8.0):
+                for ns in (3, 4):
+                    for tma in (False, True):
+                        out.append({"KIND": "swap", "BLOCK_M": bm, "BLOCK_N": bn, "SPLIT_K": sk,
+                                    "num_warps": 4, "num_stages": ns, "TMA": tma,
+                                    **({"M_FAST": True} if bm < M else {})})
+    return out
+
+
+def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None, mma_v2: bool = False) -> list[dict]:
     """The search space for one cell (kept small: every distinct config is one Triton compile).
     M <= 32: the swap-AB kernel, weight tiles of 64/128/256 rows, tokens 16 or 32 per program,
     split-K 1-16 (in-kernel reduce), 1/2/4 K blocks per iteration with 2-6 stages, pointer or
@@ -90,10 +122,13 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None) -> list[
     token tile adjusted to M; M = 64/128: the tile kernel with 64/128 x 64/128/256 tiles,
     split-K 1-4, and the swap kernel with the whole token tile (64/128 x 64/128, 1 or 2 K
     blocks per iteration, pointer or TMA loads); prefill: tile kernel, no split.
-    Plus the packaged table's entry (as it is and with the fused reduce)."""
+    Plus the packaged table's entry (as it is and with the fused reduce). ``mma_v2``: only the
+    launches of :func:`mma_v2_candidates` (and the packaged entry)."""
     KB = _cdiv(K, 128)
     out: list[dict] = []
-    if M <= SWAP_MAX_M and seeds is not None:
+    if mma_v2:
+        out = mma_v2_candidates(M, N, K)
+    elif M <= SWAP_MAX_M and seeds is not None:
         for c in seeds:
             c = _public(c)
             if c.get("KIND") == "swap":
@@ -291,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes that precompile the candidates (0: compile inline)")
     ap.add_argument("--seeds", type=int, default=4, help="best M=1 configs tried at M = 8, 16, 32")
+    ap.add_argument("--mma-v2", action="store_true",
+                    help="try only the mma.sync launches (16/32-token or 16/32-weight-row tiles) against the packaged table")
     ap.add_argument("--max-candidates", type=int, default=0, help="debug: at most this many per cell")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -314,7 +351,7 @@ def main(argv=None) -> int:
         for name in names:
             N, K = SHAPES[name]
             for M in phase_ms:
-                cands = candidates(M, N, K, seeds.get(name) if 1 < M <= SWAP_MAX_M else None)
+                cands = candidates(M, N, K, seeds.get(name) if 1 < M <= SWAP_MAX_M else None, mma_v2=args.mma_v2)
                 if args.max_candidates:
                     cands = cands[:args.max_candidates]
                 plan.append((name, N, K, M, cands))
