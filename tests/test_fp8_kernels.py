@@ -239,6 +239,16 @@ def _tuner_flow_case():
             flags["cells_verified"] = all(c["n_failed"] == 0 and c["best"] for c in cells)
             fp8.set_tuned_table(d)
             flags["table_loads"] = fp8._gemm_config(1, 256, 384, 132)["KIND"] == "swap"
+        fp8.set_tuned_table(None)
+        # --mma-v2: only launches with fewer than 64 rows on the MMA's M axis (mma.sync)
+        flags["mma_v2_family"] = all((c["KIND"] == "tile" and c["BLOCK_M"] < 64)
+                                     or (c["KIND"] == "swap" and c["BLOCK_N"] < 64)
+                                     for M in (1, 16, 64, 128) for c in tune_fp8.mma_v2_candidates(M, 2560, 9728))
+        with tempfile.TemporaryDirectory() as d:
+            rc = tune_fp8.main(["--shapes", "tiny", "--ms", "64", "--mma-v2", "--jobs", "0", "--max-candidates", "2",
+                                "--out", d])
+            cell = json.load(open(f"{d}/tune_fp8_cells.json"))[0]
+            flags["mma_v2_rc0_verified"] = rc == 0 and cell["n_failed"] == 0 and cell["best"] is not None
     finally:
         tune_fp8.DEV, tune_fp8.time_graph, torch.cuda.is_available, torch.cuda.get_device_name = saved
         kernels_fp8.SHAPES.pop("tiny", None)
