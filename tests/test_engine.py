@@ -288,6 +288,75 @@ def test_audio_fill_calls_take_playing_streams_with_enough_frames(s2):
     assert st.chunks["b"] == 2  # the shorter chunk counts as one of b's chunks
 
 
+def test_audio_hold_waits_for_fuller_calls_while_streams_have_audio(s2):
+    """With hold_s / hold_streams, a call of later chunks waits while it would decode fewer
+    than hold_streams streams and each of them has at least hold_s of audio left to play; it
+    launches once enough streams are ready or the most urgent one's audio runs low. First
+    chunks and finished requests' last chunks never wait; the synchronous decode ignores it."""
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    now = [0.0]
+    frames = np.zeros((10, 1), np.int64)
+    st = AudioStreamer(load_codec(ckpt / "codec.pth"), 6, ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                       max_call_streams=4, clock=lambda: now[0], hold_s=0.05, hold_streams=3)
+    for rid in ("a", "b", "c"):
+        st.push(rid, np.repeat(frames, 2, 1))
+    assert st.next_call() == (2, ["a", "b", "c"])  # first chunks: never held
+    st.decode_ready()
+    chunk_s = 2 * 2048 / st.sample_rate  # each now plays until chunk_s (~0.09 s)
+    st.push("a", np.repeat(frames, 4, 1))
+    assert st.next_call() is None  # one stream ready, all with > 0.05 s of audio left
+    assert st.hold_wait() == pytest.approx(chunk_s - 0.05)
+    assert st.next_call(hold=False) == (4, ["a"])
+    st.push("b", np.repeat(frames, 4, 1))
+    assert st.next_call() is None
+    st.push("c", np.repeat(frames, 4, 1))
+    assert st.next_call() == (4, ["a", "b", "c"]) and st.hold_wait() == 0.0  # full enough
+    # the most urgent stream's audio runs low: launched with what is ready
+    st2 = AudioStreamer(load_codec(ckpt / "codec.pth"), 6, ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                        max_call_streams=4, clock=lambda: now[0], hold_s=0.05, hold_streams=3)
+    now[0] = 0.0
+    for rid in ("a", "b"):
+        st2.push(rid, np.repeat(frames, 2, 1))
+    st2.decode_ready()
+    st2.push("a", np.repeat(frames, 4, 1))
+    assert st2.next_call() is None
+    now[0] = chunk_s - 0.05 + 1e-6
+    assert st2.next_call() == (4, ["a"])
+    # a finishing stream's last chunk is never held; neither is the synchronous decode
+    now[0] = 0.0
+    st2.push("b", np.repeat(frames, 3, 1))
+    st2.finish("b")
+    assert st2.next_call() == (3, ["b"])  # a's group is held; b's last chunk goes ahead
+    audio, _ = st2.decode_ready()
+    assert sorted(r for r, _ in audio) == ["a", "b"]
+    with pytest.raises(ValueError, match="hold"):
+        AudioStreamer(load_codec(ckpt / "codec.pth"), 2, hold_s=-1.0)
+
+
+def test_threaded_worker_with_hold_delivers_every_chunk(s2, voice):
+    """The threaded worker wakes for held calls: an engine run with a long hold (every later
+    chunk waits until its stream's audio runs low) still streams the one-shot decode."""
+    model, tok, ckpt = s2
+    codec = load_codec(ckpt / "codec.pth")
+    eng = Engine(model, tok.im_end_id, codec=codec,
+                 config=EngineConfig(max_running=3, num_blocks=64, audio_thread=True,
+                                     audio_schedule=ChunkSchedule(first=2, growth=2.0, max_frames=8),
+                                     audio_hold_s=0.05, audio_hold_streams=3))
+    assert eng.audio.streamer.hold_s == 0.05 and eng.audio.streamer.hold_streams == 3
+    for i in range(2):
+        eng.add_request(EngineRequest(session=session(tok, i, voice), params=SAMPLED, seed=i,
+                                      max_new_tokens=12 + i, stream_audio=True, request_id=f"h{i}"))
+    done, events = run(eng)
+    for i in range(2):
+        rid = f"h{i}"
+        streamed = np.concatenate([e.pcm for e in events if isinstance(e, AudioEvent) and e.request_id == rid])
+        with torch.inference_mode():
+            ref = codec.decode(torch.as_tensor(done[rid].codes)[None])[0, 0].numpy()
+        assert streamed.shape == ref.shape and np.abs(streamed - ref).max() < 1e-4
+
+
 def test_failed_stream_takes_no_frames_until_released(s2):
     """After a codec call fails for a stream, frames the engine pushed before it saw the error
     do not restart the stream on a new row (no audio after the error summary)."""

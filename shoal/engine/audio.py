@@ -55,10 +55,19 @@ class ChunkSchedule:
 class AudioStreamer:
     def __init__(self, codec, max_streams: int, schedule: ChunkSchedule = ChunkSchedule(),
                  max_call_streams: int | None = 32, clock=time.perf_counter, fill_calls: bool = False,
-                 first_lane: bool = False, first_lane_chunks: int = 2) -> None:
+                 first_lane: bool = False, first_lane_chunks: int = 2, hold_s: float = 0.0,
+                 hold_streams: int = 0) -> None:
         schedule.validate()
         if max_call_streams is not None and max_call_streams < 1:
             raise ValueError("max_call_streams must be >= 1 (or None for no limit)")
+        if hold_s < 0 or hold_streams < 0:
+            raise ValueError("hold_s and hold_streams must be >= 0")
+        # hold back a call of later chunks while it would decode fewer than hold_streams streams
+        # and each of them still has at least hold_s seconds of audio to play: fewer, fuller
+        # codec calls (cheaper per frame) at no risk to playback; first chunks and the last
+        # chunks of finished requests are never held (see next_call)
+        self.hold_s = float(hold_s)
+        self.hold_streams = int(hold_streams)
         self.codec = codec
         self.schedule = schedule
         self.max_call_streams = max_call_streams
@@ -238,26 +247,69 @@ class AudioStreamer:
     def has_ready(self) -> bool:
         return bool(self._ready())
 
-    def next_call(self, lane: "_Lane | None" = None) -> tuple[int, list[str]] | None:
+    def next_call(self, lane: "_Lane | None" = None, hold: bool = True) -> tuple[int, list[str]] | None:
         """The next codec call, ``(frames, rids)``: the most urgent ready stream and the other
         ready streams of its chunk size, most urgent first, at most ``max_call_streams``.
         With a first-chunk lane, ``lane`` picks among first chunks (that lane) or later chunks
-        (the bulk lane; None: any)."""
+        (the bulk lane; None: any). ``hold`` (with ``hold_s`` set): None while the call is
+        held back (see :meth:`hold_wait`)."""
+        call = self._candidate(lane)
+        if call is None or (hold and call[2] > self.clock()):
+            return None
+        return call[0], call[1]
+
+    def _candidate(self, lane: "_Lane | None") -> tuple[int, list[str], float] | None:
+        """``(frames, rids, held until)`` of the next call (see :meth:`next_call`): the most
+        urgent stream's chunk-size group, or, while that one is held back, the most urgent
+        group that is not (a finished request's last chunk); when all are, the first group and
+        the earliest time one of them falls due."""
         ready = sorted(self._ready())
         if self.first is not None and lane is not None:
             want_first = lane is self.first
             ready = [r for r in ready if self._starting(r[2]) == want_first]
         if not ready:
             return None
-        n = ready[0][3]
-        rids = [rid for _, _, rid, need in ready if need == n]
+        first = None
+        for n in dict.fromkeys(need for _, _, _, need in ready):  # chunk sizes, most urgent first
+            group = [r for r in ready if r[3] == n]
+            rids = self._call_rids(n, [rid for _, _, rid, _ in group])
+            until = self._hold_until(group[0][0], rids)
+            if until <= self.clock():
+                return n, rids, until
+            if first is None:
+                first = (n, rids, until)
+            else:
+                first = (first[0], first[1], min(first[2], until))
+            if self.hold_s <= 0:
+                break
+        return first
+
+    def _call_rids(self, n: int, rids: list[str]) -> list[str]:
+        """A call's streams: the ready ``rids`` of chunk size ``n``, riders (fill_calls), at most
+        max_call_streams."""
         if self.fill_calls and (self.max_call_streams is None or len(rids) < self.max_call_streams):
             # with two lanes, riders come from the call's own lane (a stream's chunks stay in
             # one lane while it starts): a starting stream that already plays its first chunk
             # rides a first-lane call, as it rides any call with one lane
             lane_first = self._starting(rids[0]) if self.first is not None else None
-            rids += [rid for _, _, rid in self._fillers(n, set(rids), lane_first)]
-        return n, rids[: self.max_call_streams] if self.max_call_streams else rids
+            rids = rids + [rid for _, _, rid in self._fillers(n, set(rids), lane_first)]
+        return rids[: self.max_call_streams] if self.max_call_streams else rids
+
+    def _hold_until(self, deadline: float, rids: list[str]) -> float:
+        """Until when a call of ``rids`` (its most urgent deadline ``deadline``) is held back:
+        ``deadline - hold_s`` while it has fewer than ``hold_streams`` streams (at most
+        ``max_call_streams``), all of them already playing and none finishing; else -inf."""
+        full = min(self.hold_streams, self.max_call_streams or self.hold_streams)
+        if (self.hold_s <= 0 or len(rids) >= full
+                or any(r not in self.play_end or r in self.finishing for r in rids)):
+            return float("-inf")
+        return deadline - self.hold_s
+
+    def hold_wait(self, lane: "_Lane | None" = None) -> float:
+        """Seconds until the next call may launch unless more streams become ready first: 0
+        when it may launch now or there is none."""
+        call = self._candidate(lane) if self.hold_s > 0 else None
+        return 0.0 if call is None else max(0.0, call[2] - self.clock())
 
     def lane_of(self, rids: list[str]) -> "_Lane":
         """The lane a call of these streams runs on: starting streams on the first lane (if any)."""
@@ -284,13 +336,13 @@ class AudioStreamer:
                 out.append((self.play_end[rid], self.rows[rid], rid))
         return sorted(out)
 
-    def launch(self, lane: "_Lane") -> bool:
-        """Launch the next call of ``lane`` if it is idle and has one; True when launched. A
-        call that raises (e.g. out of memory) releases its streams and reports them through
-        :meth:`collect`."""
+    def launch(self, lane: "_Lane", hold: bool = True) -> bool:
+        """Launch the next call of ``lane`` if it is idle and has one (not held back, unless
+        ``hold`` is False); True when launched. A call that raises (e.g. out of memory)
+        releases its streams and reports them through :meth:`collect`."""
         if lane.inflight is not None:
             return False
-        call = self.next_call(lane if self.first is not None else None)
+        call = self.next_call(lane if self.first is not None else None, hold=hold)
         if call is None:
             return False
         n, rids = call
@@ -349,7 +401,7 @@ class AudioStreamer:
             if not ready:
                 break
             calls += 1
-            self.launch(self.lane_of([min(ready)[2]]))  # the lane of the most urgent stream
+            self.launch(self.lane_of([min(ready)[2]]), hold=False)  # the most urgent stream's lane
             audio, bad = self.collect(wait=True)
             out += audio
             failed += bad
@@ -591,7 +643,15 @@ class AudioWorker:
                                 continue  # nothing new: no scheduling work (the GIL stays free)
                             cmds = []
                     elif s.has_ready():
-                        cmds = self._drain()
+                        waits = [s.hold_wait(lane if s.first is not None else None) for lane in s.lanes]
+                        wait = min((w for w in waits if w > 0), default=0.0)
+                        if wait > 0:  # a held call: wake for new frames or when it falls due
+                            try:
+                                cmds = [self._inbox.get(timeout=min(wait, 0.005))] + self._drain()
+                            except queue.Empty:
+                                cmds = []
+                        else:
+                            cmds = self._drain()
                     else:
                         cmds = [self._inbox.get()] + self._drain()
                     self._round(cmds)

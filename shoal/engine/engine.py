@@ -53,6 +53,12 @@ class EngineConfig:
     # underruns from 57 of 128 streams to none at the same throughput (docs/benchmarks.md);
     # default on, env SHOAL_AUDIO_FILL=0 turns it off
     audio_fill_calls: bool | None = None
+    # hold back a codec call of later chunks while it has fewer than audio_hold_streams streams
+    # (default: audio_max_call_streams) and each still has audio_hold_s seconds of audio to play,
+    # so calls are fuller and cheaper per frame; first chunks and last chunks are never held.
+    # None = env SHOAL_AUDIO_HOLD_S (unset or 0: off) / SHOAL_AUDIO_HOLD_STREAMS
+    audio_hold_s: float | None = None
+    audio_hold_streams: int | None = None
     # confine the codec's stream to this many SMs (a CUDA green context,
     # shoal.engine.sm_partition), so its convolutions never hold the SMs the decode step needs;
     # None = env SHOAL_AUDIO_SMS (unset or 0: an ordinary stream that may use every SM)
@@ -124,8 +130,13 @@ class Engine:
             if first_lane is None:
                 first_lane = threaded and on_cuda and _env_flag("SHOAL_AUDIO_FIRST_LANE", False)
             lane_chunks = cfg.audio_first_lane_chunks or int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_CHUNKS", "2"))
+            hold_s = cfg.audio_hold_s
+            if hold_s is None:
+                hold_s = float(os.environ.get("SHOAL_AUDIO_HOLD_S", "0") or 0)
+            hold_streams = cfg.audio_hold_streams or int(os.environ.get("SHOAL_AUDIO_HOLD_STREAMS", "0") or 0)
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
-                                     fill_calls=fill, first_lane=first_lane, first_lane_chunks=lane_chunks)
+                                     fill_calls=fill, first_lane=first_lane, first_lane_chunks=lane_chunks,
+                                     hold_s=hold_s, hold_streams=hold_streams or cfg.audio_max_call_streams or 32)
             sms = cfg.audio_sms
             if sms is None:
                 sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
