@@ -112,6 +112,26 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     return _unique(out, K)
 
 
+def mma_v2_candidates(M: int, N: int, K: int) -> list[dict]:
+    """Swap-AB launches with 16 or 32 weight rows per tile, which Triton lowers to the
+    synchronous ``mma.sync`` (wgmma needs 64 rows per warp group): 2-4x the tiles of the
+    64-row launches, so the narrow GEMMs (wo, down: 2,560 rows, 40 tiles of 64) fill every SM
+    with fewer or no K splits. 128/256-wide K tiles, the split counts of 0.5-6 waves, 3-6
+    stages, pointer and TMA loads."""
+    bm = _token_tile(M)
+    out = []
+    for bn in (16, 32):
+        for bk in (128, 256):
+            per_stage = (bn + bm) * bk * 2
+            tiles = _cdiv(N, bn) * _cdiv(M, bm)
+            for sk in _splits(_cdiv(K, bk), tiles, options=(1, 2, 4, 8), lo=0.5):
+                for ns in (3, 4, 6):
+                    if ns * per_stage <= SMEM:
+                        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4,
+                                    "num_stages": ns})
+    return _unique(out + [{**c, "TMA": True} for c in out], K)
+
+
 def swiglu_candidates(M: int, N2: int, K: int) -> list[dict]:
     """The search space of the fused gate_up + SwiGLU kernel (``dense.dense_swiglu_triton``):
     swap-AB tiles of 16-128 gate rows (as many up rows beside them) x 64-256 K, the split-K
@@ -295,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", action="store_true", help="also try the L2-prefetch-before-PDL-wait variants (M <= 32)")
     ap.add_argument("--tile", action="store_true", help="also try KIND tile (tokens on the MMA's M axis, M >= 64)")
     ap.add_argument("--streamk", action="store_true", help="also try stream-K launches (KIND streamk)")
+    ap.add_argument("--mma-v2", action="store_true",
+                    help="only the 16/32-weight-row launches (mma.sync), against cuBLAS and the active table's config")
     ap.add_argument("--swiglu", action="store_true",
                     help="also tune the fused gate_up + SwiGLU kernel against the unfused path (table key swiglu:N,K)")
     args = ap.parse_args(argv)
@@ -313,7 +335,13 @@ def main(argv=None) -> int:
     for name in names:
         N, K = SHAPES[name]
         for M in ms:
-            cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk)
+            if args.mma_v2:
+                cands = mma_v2_candidates(M, N, K)
+                old = dense.dense_config(M, N, K)  # the active table's choice competes too
+                if old:
+                    cands.append({k: v for k, v in old.items() if k != "k_per_split"})
+            else:
+                cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk)
             plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
     if args.swiglu:
         N2, K2 = SHAPES["gate_up"]
