@@ -90,7 +90,10 @@ def mma_v2_candidates(M: int, N: int, K: int) -> list[dict]:
     waited for before the per-K-block scales apply, and Triton waits for all of it right away
     (``warp_group_dot_wait`` with 0 pending) -- the serial chain that bounds the 64-token cells;
     a synchronous MMA's result is ordinary registers, so the compiler can overlap one K block's
-    scaling with the next block's MMAs."""
+    scaling with the next block's MMAs. The price (compiled for sm_90 with Triton 3.8): Triton
+    widens both e4m3 operands to fp16 and runs ``mma.sync.m16n8k16.f16`` -- one conversion per
+    two weight values, which the FP8-weight / bf16-activation experiment (docs/benchmarks.md)
+    found to be the expensive part at four times that count."""
     KB = _cdiv(K, 128)
     out: list[dict] = []
     for bm in (16, 32):  # tile kernel: tokens on the MMA's M axis
