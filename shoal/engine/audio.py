@@ -68,6 +68,7 @@ class AudioStreamer:
         # chunks of finished requests are never held (see next_call)
         self.hold_s = float(hold_s)
         self.hold_streams = int(hold_streams)
+        self.held_until: float | None = None  # when the call the last next_call held back falls due
         self.codec = codec
         self.schedule = schedule
         self.max_call_streams = max_call_streams
@@ -254,7 +255,9 @@ class AudioStreamer:
         (the bulk lane; None: any). ``hold`` (with ``hold_s`` set): None while the call is
         held back (see :meth:`hold_wait`)."""
         call = self._candidate(lane)
-        if call is None or (hold and call[2] > self.clock()):
+        held = call is not None and hold and call[2] > self.clock()
+        self.held_until = call[2] if held else None
+        if call is None or held:
             return None
         return call[0], call[1]
 
@@ -514,6 +517,7 @@ class AudioWorker:
         self._error: BaseException | None = None
         self.sms: int | None = None  # SMs the codec's stream is confined to (None: all)
         self._cuda_stream = None
+        self._held_until: float | None = None  # the earliest call the last round held back falls due
         if threaded and streamer.device.type == "cuda":
             self._cuda_stream = self._stream(streamer.device, sms)
             if self.sms is not None and hasattr(streamer.decoder, "capture_stream"):
@@ -620,8 +624,13 @@ class AudioWorker:
         s = self.streamer
         self._apply(cmds)
         self._deliver(*s.collect())
+        held = []
         for lane in s.lanes:
+            s.held_until = None
             s.launch(lane)
+            if s.held_until is not None:
+                held.append(s.held_until)
+        self._held_until = min(held) if held else None
         if s._failed_calls:  # report a failed launch now (with any audio collected alongside)
             self._deliver(*s.collect())
 
@@ -643,11 +652,11 @@ class AudioWorker:
                                 continue  # nothing new: no scheduling work (the GIL stays free)
                             cmds = []
                     elif s.has_ready():
-                        waits = [s.hold_wait(lane if s.first is not None else None) for lane in s.lanes]
-                        wait = min((w for w in waits if w > 0), default=0.0)
-                        if wait > 0:  # a held call: wake for new frames or when it falls due
+                        # a call held back by the last round: wake for new frames or when it falls due
+                        wait = 0.0 if self._held_until is None else self._held_until - s.clock()
+                        if wait > 0:
                             try:
-                                cmds = [self._inbox.get(timeout=min(wait, 0.005))] + self._drain()
+                                cmds = [self._inbox.get(timeout=min(wait, 0.05))] + self._drain()
                             except queue.Empty:
                                 cmds = []
                         else:
