@@ -56,7 +56,9 @@ class EngineConfig:
     # hold back a codec call of later chunks while it has fewer than audio_hold_streams streams
     # (default: audio_max_call_streams) and each still has audio_hold_s seconds of audio to play,
     # so calls are fuller and cheaper per frame; first chunks and last chunks are never held.
-    # None = env SHOAL_AUDIO_HOLD_S (unset or 0: off) / SHOAL_AUDIO_HOLD_STREAMS
+    # On an H200 at c=64 (0.5 s) it gave +2.6-3.0% frames/s with audio out, the same first
+    # audio and no underruns (docs/benchmarks.md). None = env SHOAL_AUDIO_HOLD_S (default 0.5;
+    # 0 turns it off) / SHOAL_AUDIO_HOLD_STREAMS
     audio_hold_s: float | None = None
     audio_hold_streams: int | None = None
     # confine the codec's stream to this many SMs (a CUDA green context,
@@ -132,7 +134,7 @@ class Engine:
             lane_chunks = cfg.audio_first_lane_chunks or int(os.environ.get("SHOAL_AUDIO_FIRST_LANE_CHUNKS", "2"))
             hold_s = cfg.audio_hold_s
             if hold_s is None:
-                hold_s = float(os.environ.get("SHOAL_AUDIO_HOLD_S", "0") or 0)
+                hold_s = float(os.environ.get("SHOAL_AUDIO_HOLD_S", "0.5") or 0)
             hold_streams = cfg.audio_hold_streams or int(os.environ.get("SHOAL_AUDIO_HOLD_STREAMS", "0") or 0)
             streamer = AudioStreamer(codec, max_running, cfg.audio_schedule, cfg.audio_max_call_streams,
                                      fill_calls=fill, first_lane=first_lane, first_lane_chunks=lane_chunks,
