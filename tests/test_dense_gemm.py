@@ -251,6 +251,23 @@ def test_tuner_search_space(monkeypatch):
             assert len(wide) > len(cands)
 
 
+def test_mma_v2_tuner_search_space():
+    """--mma-v2: only 16/32-weight-row swap-AB launches (what Triton lowers to mma.sync), each
+    fitting shared memory, with pointer and TMA loads, no launch twice."""
+    from shoal.bench import tune_dense
+
+    for M in (1, 16, 64):
+        for N, K in ((2560, 4096), (2560, 9728), (6144, 2560)):
+            cands = tune_dense.mma_v2_candidates(M, N, K)
+            assert cands and any(c.get("TMA") for c in cands) and any(not c.get("TMA") for c in cands)
+            for c in cands:
+                assert c["BLOCK_N"] in (16, 32) and c["BLOCK_M"] >= min(M, 128)
+                assert c["num_stages"] * (c["BLOCK_N"] + c["BLOCK_M"]) * c["BLOCK_K"] * 2 <= tune_dense.SMEM
+                assert dense.finish_config(c, K)["KIND"] == "swap"
+            keys = [json.dumps(dense.finish_config(c, K), sort_keys=True) for c in cands]
+            assert len(keys) == len(set(keys))
+
+
 def test_swiglu_tuner_search_space():
     from shoal.bench import tune_dense
 
