@@ -311,12 +311,12 @@ def test_audio_hold_waits_for_fuller_calls_while_streams_have_audio(s2):
     chunk_s = 2 * 2048 / st.sample_rate  # each now plays until chunk_s (~0.09 s)
     st.push("a", np.repeat(frames, 4, 1))
     assert st.next_call() is None  # one stream ready, all with > 0.05 s of audio left
-    assert st.hold_wait() == pytest.approx(chunk_s - 0.05)
+    assert st.held_until == pytest.approx(chunk_s - 0.05)  # when it falls due
     assert st.next_call(hold=False) == (4, ["a"])
     st.push("b", np.repeat(frames, 4, 1))
     assert st.next_call() is None
     st.push("c", np.repeat(frames, 4, 1))
-    assert st.next_call() == (4, ["a", "b", "c"]) and st.hold_wait() == 0.0  # full enough
+    assert st.next_call() == (4, ["a", "b", "c"]) and st.held_until is None  # full enough
     # the most urgent stream's audio runs low: launched with what is ready
     st2 = AudioStreamer(load_codec(ckpt / "codec.pth"), 6, ChunkSchedule(first=2, growth=2.0, max_frames=8),
                         max_call_streams=4, clock=lambda: now[0], hold_s=0.05, hold_streams=3)

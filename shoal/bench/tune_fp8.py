@@ -83,8 +83,8 @@ def _splits(KB: int, tiles: int, options=(1, 2, 4, 8, 16), lo: float = 0.5, hi: 
 
 
 def mma_v2_candidates(M: int, N: int, K: int) -> list[dict]:
-    """Launches whose MMA is Ampere's synchronous ``mma.sync`` (m16n8k32 e4m3) instead of
-    Hopper's asynchronous wgmma, for 16-128 tokens: Triton takes wgmma only for 64 or more rows
+    """Launches whose MMA is the synchronous ``mma.sync`` instead of Hopper's asynchronous
+    wgmma, for 1-128 tokens: Triton takes wgmma only for 64 or more rows
     on the MMA's M axis per warp group, so the tile kernel with 16/32-token tiles and the swap
     kernel with 16/32 weight rows lower to mma.sync. Why try them: a wgmma's fp32 result must be
     waited for before the per-K-block scales apply, and Triton waits for all of it right away

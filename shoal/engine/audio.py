@@ -253,7 +253,7 @@ class AudioStreamer:
         ready streams of its chunk size, most urgent first, at most ``max_call_streams``.
         With a first-chunk lane, ``lane`` picks among first chunks (that lane) or later chunks
         (the bulk lane; None: any). ``hold`` (with ``hold_s`` set): None while the call is
-        held back (see :meth:`hold_wait`)."""
+        held back; ``held_until`` then says when it falls due (else None)."""
         call = self._candidate(lane)
         held = call is not None and hold and call[2] > self.clock()
         self.held_until = call[2] if held else None
@@ -279,12 +279,7 @@ class AudioStreamer:
             until = self._hold_until(group[0][0], rids)
             if until <= self.clock():
                 return n, rids, until
-            if first is None:
-                first = (n, rids, until)
-            else:
-                first = (first[0], first[1], min(first[2], until))
-            if self.hold_s <= 0:
-                break
+            first = (n, rids, until) if first is None else (first[0], first[1], min(first[2], until))
         return first
 
     def _call_rids(self, n: int, rids: list[str]) -> list[str]:
@@ -307,12 +302,6 @@ class AudioStreamer:
                 or any(r not in self.play_end or r in self.finishing for r in rids)):
             return float("-inf")
         return deadline - self.hold_s
-
-    def hold_wait(self, lane: "_Lane | None" = None) -> float:
-        """Seconds until the next call may launch unless more streams become ready first: 0
-        when it may launch now or there is none."""
-        call = self._candidate(lane) if self.hold_s > 0 else None
-        return 0.0 if call is None else max(0.0, call[2] - self.clock())
 
     def lane_of(self, rids: list[str]) -> "_Lane":
         """The lane a call of these streams runs on: starting streams on the first lane (if any)."""
@@ -343,6 +332,7 @@ class AudioStreamer:
         """Launch the next call of ``lane`` if it is idle and has one (not held back, unless
         ``hold`` is False); True when launched. A call that raises (e.g. out of memory)
         releases its streams and reports them through :meth:`collect`."""
+        self.held_until = None
         if lane.inflight is not None:
             return False
         call = self.next_call(lane if self.first is not None else None, hold=hold)
@@ -626,7 +616,6 @@ class AudioWorker:
         self._deliver(*s.collect())
         held = []
         for lane in s.lanes:
-            s.held_until = None
             s.launch(lane)
             if s.held_until is not None:
                 held.append(s.held_until)
