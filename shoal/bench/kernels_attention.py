@@ -294,7 +294,7 @@ def run_sweep(device, iters):
     return out
 
 
-def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128, 1024))):
+def run_fp8_sweep(device, iters, cells=((1, 1024), (16, 1024), (64, 512), (64, 1024), (64, 4096), (128, 1024))):
     """Launch options of the kernel on an FP8 cache (``pa.FP8_KV_CONFIG``): the e4m3 widening
     dtype, tile size, warps, pipeline stages, split multiplier. Returns the cells' timings and
     the config with the lowest total time over the cells (relative to each cell's best)."""
@@ -309,6 +309,16 @@ def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128
                     configs.append({"cvt": cvt, "block_n": block_n, "num_warps": warps, "num_stages": stages,
                                     "split_mult": 1})
         configs.append({"cvt": cvt, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 2})
+    # the e4m3-operand kernel (shoal.kernels.paged_attention_fp8), on the standard V layout and
+    # on a token-minor V (v_layout "minor": the cache layout it loads without a transpose)
+    for v_layout in ("std", "minor"):
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    configs.append({"cvt": "mma8", "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                                    "split_mult": 1, "v_layout": v_layout})
+        configs.append({"cvt": "mma8", "block_n": 64, "num_warps": 4, "num_stages": 3, "split_mult": 2,
+                        "v_layout": v_layout})
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     out = {"cells": [], "configs": configs}
     times = [[None] * len(configs) for _ in cells]
@@ -320,6 +330,10 @@ def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128
         k8, ks = quantize_kv(k)
         v8, vs = quantize_kv(v)
         del k, v
+        from shoal.kernels.paged_attention_fp8 import token_minor_like
+
+        v8m = token_minor_like(v8.shape, v8.device)
+        v8m.copy_(v8)
         q = torch.randn(B, H, D, device=device, dtype=DTYPE)
         cl = torch.full((B,), ctx, dtype=torch.int32, device=device)
         o = torch.empty_like(q)
@@ -331,13 +345,14 @@ def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128
             kw = dict(num_splits=splits, block_n=c["block_n"], num_warps=c["num_warps"],
                       num_stages=c["num_stages"], cvt=c["cvt"])
             rec = dict(c, splits=splits)
+            vv = v8m if c.get("v_layout") == "minor" else v8
             try:
-                chk = pa.paged_decode_attention_triton(q, k8, v8, tables[0], cl, scale, k_scale=ks, v_scale=vs, **kw)
+                chk = pa.paged_decode_attention_triton(q, k8, vv, tables[0], cl, scale, k_scale=ks, v_scale=vs, **kw)
                 rec["excess"] = ((chk.float() - ref.float()).abs() - 2e-2 * ref.float().abs()).max().item()
 
-                def fn(kw=kw):
+                def fn(kw=kw, vv=vv):
                     for i in range(n_layers):
-                        pa.paged_decode_attention_triton(q, k8, v8, tables[i], cl, scale, out=o, k_scale=ks,
+                        pa.paged_decode_attention_triton(q, k8, vv, tables[i], cl, scale, out=o, k_scale=ks,
                                                          v_scale=vs, **kw)
 
                 t = time_graph(fn, iters) / n_layers
@@ -352,7 +367,7 @@ def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128
             cell["best"] = min(ok, key=lambda r: r["us"])
             _log(f"fp8 sweep B={B} ctx={ctx}: best {cell['best']}")
         out["cells"].append(cell)
-        del k8, v8, ks, vs, tables
+        del k8, v8, v8m, ks, vs, tables
         torch.cuda.empty_cache()
     score = []
     for j in range(len(configs)):
@@ -365,7 +380,7 @@ def run_fp8_sweep(device, iters, cells=((16, 1024), (64, 1024), (64, 4096), (128
     if score[jbest] == float("inf"):
         raise RuntimeError("no FP8-cache launch config was valid in every cell (see the cells' errors)")
     out["best"] = dict(configs[jbest], score=round(score[jbest], 3))
-    out["env"] = ",".join(f"{k}={v}" for k, v in configs[jbest].items())
+    out["env"] = ",".join(f"{k}={v}" for k, v in configs[jbest].items() if k != "v_layout")
     _log(f"fp8 sweep best overall: {out['best']}  SHOAL_ATTN_FP8_CONFIG={out['env']}")
     return out
 

@@ -576,8 +576,18 @@ def paged_decode_attention_triton(
         raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     if D not in (32, 64, 128):
         raise ValueError(f"head_dim {D} not supported by the Triton kernel (32, 64 or 128)")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("k_cache/v_cache must be contiguous in the last (head_dim) dimension")
+    mma8 = kv_fp8 and (cvt if cvt is not None else fp8_kv_config()["cvt"]) == "mma8"
+    if mma8:
+        from .paged_attention_fp8 import MMA8_GROUP_MAX, is_token_minor
+
+        if H // H_kv > MMA8_GROUP_MAX or q.dtype == torch.float32:
+            # the e4m3-operand kernel holds up to 8 query heads per KV head, and its split query
+            # keeps bf16's precision, not fp32's: the widening kernel serves those calls
+            mma8, cvt = False, ("q" if q.dtype == torch.float32 else "f16")
+    v_minor = mma8 and is_token_minor(v_cache)
+    if k_cache.stride(-1) != 1 or (v_cache.stride(-1) != 1 and not v_minor):
+        raise ValueError("k_cache/v_cache must be contiguous in the last (head_dim) dimension"
+                         + (" (or v_cache token-minor)" if mma8 else ""))
     interpret = triton_interpreting()
     if not interpret and not q.is_cuda:
         raise RuntimeError(
@@ -596,8 +606,8 @@ def paged_decode_attention_triton(
         num_stages = fc["num_stages"] if num_stages is None else num_stages
         cvt = fc["cvt"] if cvt is None else cvt
         split_mult = fc["split_mult"]
-        if cvt not in ("f16", "q"):
-            raise ValueError(f"cvt must be 'f16' or 'q', got {cvt!r}")
+        if cvt not in ("f16", "q", "mma8"):
+            raise ValueError(f"cvt must be 'f16', 'q' or 'mma8', got {cvt!r}")
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 2 if num_stages is None else num_stages
     if block_n is None:
@@ -635,54 +645,66 @@ def paged_decode_attention_triton(
     split_kernel, reduce_kernel = _kernels(bool(interpret))
     pdl = pdl_options(q)
     counters = None
-    if num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
+    if mma8:
+        from .paged_attention_fp8 import mma8_kernel
+
+        mma8_kernel(bool(interpret))[(H_kv, B, num_splits)](
+            q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, partial_o, partial_lse,
+            float(scale) * _LOG2E, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+            k_scale.stride(0), k_scale.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *p_strides,
+            GROUP=group, HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), num_warps=num_warps, num_stages=num_stages, **pdl)
+    elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)
 
         counters = _tile_counters(q.device, B * H_kv)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    split_kernel[(H_kv, B, num_splits)](
-        q,
-        k_cache,
-        v_cache,
-        k_scale if kv_fp8 else k_cache,
-        v_scale if kv_fp8 else v_cache,
-        block_tables,
-        context_lens,
-        out,
-        partial_o,
-        partial_lse,
-        float(scale) * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        k_scale.stride(0) if kv_fp8 else 0,
-        k_scale.stride(1) if kv_fp8 else 0,
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *p_strides,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=D,
-        PAGE_SIZE=block_size,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        DOT_PRECISION=dot_precision,
-        UPCAST_DOT=bool(interpret),  # see _mma_impl
-        KV_FP8=kv_fp8,
-        CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
-        cnt_ptr=counters if counters is not None else context_lens,
-        SPLITS_PAD=max(2, _next_pow2(num_splits)),
-        FUSED_REDUCE=counters is not None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl,
-    )
+    if not mma8:
+        split_kernel[(H_kv, B, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            k_scale if kv_fp8 else k_cache,
+            v_scale if kv_fp8 else v_cache,
+            block_tables,
+            context_lens,
+            out,
+            partial_o,
+            partial_lse,
+            float(scale) * _LOG2E,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            k_scale.stride(0) if kv_fp8 else 0,
+            k_scale.stride(1) if kv_fp8 else 0,
+            block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            *p_strides,
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            HEAD_DIM=D,
+            PAGE_SIZE=block_size,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            DOT_PRECISION=dot_precision,
+            UPCAST_DOT=bool(interpret),  # see _mma_impl
+            KV_FP8=kv_fp8,
+            CVT_F16=kv_fp8 and cvt == "f16" and q.dtype != torch.float32,
+            cnt_ptr=counters if counters is not None else context_lens,
+            SPLITS_PAD=max(2, _next_pow2(num_splits)),
+            FUSED_REDUCE=counters is not None,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **pdl,
+        )
     if num_splits > 1 and counters is None:
         reduce_kernel[(H, B)](
             partial_o,

@@ -1,0 +1,171 @@
+"""The e4m3-operand decode attention on an FP8 KV cache (shoal.kernels.paged_attention_fp8):
+against the PyTorch reference and against the widening kernel's error, on the standard and the
+token-minor V layout, under the Triton interpreter on CPU; at S2-Pro sizes (with CUDA-graph
+replay) on a GPU."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+if __name__ != "__main__":
+    from interpreter_worker import assert_case, run_worker
+
+
+def _cache(g, nb, bs, hkv, d, dev, minor):
+    from shoal.kernels.paged_attention_fp8 import token_minor_like
+    from shoal.quant.kv import quantize_kv
+
+    k8, ks = quantize_kv(torch.randn(nb, bs, hkv, d, generator=g) * 2)
+    v8, vs = quantize_kv(torch.randn(nb, bs, hkv, d, generator=g))
+    if minor:
+        vm = token_minor_like(v8.shape, "cpu")
+        vm.copy_(v8)
+        v8 = vm
+    return k8.to(dev), v8.to(dev), ks.to(dev), vs.to(dev)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _case_decode(H, Hkv, splits, minor, dev="cpu", D=64, B=4, block_n=64, lens=(1, 17, 64, 150)):
+    """mma8 against the reference: a bf16 output's rounding away, and no worse than 1.25x the
+    widening kernel's error (both read the same e4m3 K / V)."""
+    from shoal.kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
+
+    g = torch.Generator().manual_seed(H * 31 + Hkv + splits + 7 * minor)
+    nb, bs = 48, 16
+    k8, v8, ks, vs = _cache(g, nb, bs, Hkv, D, dev, minor)
+    q = (torch.randn(B, H, D, generator=g) * 3).to(torch.bfloat16).to(dev)
+    maxb = -(-max(lens) // bs)
+    bt = torch.randperm(nb, generator=g)[: B * maxb].reshape(B, maxb).int().to(dev)
+    cl = torch.tensor(lens[:B], dtype=torch.int32, device=dev)
+    ref = paged_decode_attention_ref(q.float(), k8, v8, bt, cl, D ** -0.5, k_scale=ks, v_scale=vs)
+    out = paged_decode_attention_triton(q, k8, v8, bt, cl, D ** -0.5, k_scale=ks, v_scale=vs, cvt="mma8",
+                                        num_splits=splits, block_n=block_n)
+    e_new = _rel(out, ref)
+    flags = {"finite": bool(torch.isfinite(out.float()).all())}
+    if minor:  # the widening kernel reads the standard layout only
+        v_std = v8.contiguous()
+    else:
+        v_std = v8
+    old = paged_decode_attention_triton(q, k8, v_std, bt, cl, D ** -0.5, k_scale=ks, v_scale=vs, cvt="f16",
+                                        num_splits=splits, block_n=block_n)
+    e_old = _rel(old, ref)
+    return {"checks": {"rel_err": (e_new, 8e-3), "vs_widening": (e_new, 1.25 * e_old + 1e-4)}, "flags": flags}
+
+
+CASES = {
+    "g4_1split_std": lambda: _case_decode(8, 2, 1, False),
+    "g4_3splits_std": lambda: _case_decode(8, 2, 3, False),
+    "g4_1split_minor": lambda: _case_decode(8, 2, 1, True),
+    "g4_3splits_minor": lambda: _case_decode(8, 2, 3, True),
+    "g1_minor": lambda: _case_decode(4, 4, 2, True),
+    "g8_std_bn128": lambda: _case_decode(16, 2, 1, False, block_n=128),
+    "g8_minor_bn32": lambda: _case_decode(16, 2, 2, True, block_n=32),
+}
+
+if __name__ == "__main__":  # child process: TRITON_INTERPRET=1
+    from interpreter_worker import report_cases
+
+    report_cases(CASES, lambda name: CASES[name]())
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return run_worker(__file__)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mma8_under_the_interpreter(interpreted, name):
+    assert_case(interpreted[name], need_any=True)
+
+
+def test_token_minor_layout():
+    from shoal.kernels.paged_attention_fp8 import is_token_minor, token_minor_like
+
+    t = token_minor_like((5, 16, 2, 64), "cpu")
+    assert t.shape == (5, 16, 2, 64) and t.dtype == torch.float8_e4m3fn and is_token_minor(t)
+    assert t.stride(1) == 1 and t.stride(3) == 16
+    assert not is_token_minor(torch.zeros(5, 16, 2, 64))
+    src = torch.randn(5, 16, 2, 64).to(torch.float8_e4m3fn)
+    t.copy_(src)  # the same logical tensor
+    assert torch.equal(t.float(), src.float())
+
+
+def test_mma8_falls_back_for_groups_past_eight_and_fp32_queries(monkeypatch):
+    """More than 8 query heads per KV head, or fp32 queries (the exact path): the widening kernel
+    runs instead (the call is the same as with its own cvt)."""
+    from shoal.kernels import paged_attention as pa
+
+    seen = []
+    monkeypatch.setattr(pa, "_kernels", lambda interpret: (_Spy(seen, "widen"), _Spy(seen, "reduce")))
+    import shoal.kernels.paged_attention_fp8 as p8
+
+    monkeypatch.setattr(p8, "mma8_kernel", lambda interpret: _Spy(seen, "mma8"))
+    monkeypatch.setattr(pa, "triton_interpreting", lambda: True)
+    g = torch.Generator().manual_seed(0)
+    k8, v8, ks, vs = _cache(g, 8, 16, 1, 64, "cpu", False)
+    bt = torch.arange(4, dtype=torch.int32)[None]
+    cl = torch.tensor([40], dtype=torch.int32)
+    for H, dt, want in ((16, torch.bfloat16, "widen"), (4, torch.float32, "widen"), (8, torch.bfloat16, "mma8")):
+        seen.clear()
+        q = torch.randn(1, H, 64).to(dt)
+        pa.paged_decode_attention_triton(q, k8, v8, bt, cl, 0.125, k_scale=ks, v_scale=vs, cvt="mma8",
+                                         num_splits=1)
+        assert seen == [want], (H, dt, seen)
+
+
+class _Spy:
+    def __init__(self, seen, name):
+        self.seen, self.name = seen, name
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: self.seen.append(self.name)
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("minor", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_mma8_at_s2_pro_sizes(minor, splits):
+    res = _case_decode(32, 8, splits, minor, dev="cuda", D=128, B=6, block_n=64,
+                       lens=(1, 15, 16, 333, 1000, 1024))
+    for k, (a, b) in res["checks"].items():
+        assert a <= b, (k, a, b)
+    assert all(res["flags"].values())
+
+
+@gpu
+@pytest.mark.parametrize("minor", [False, True])
+def test_gpu_mma8_graph_replay(minor):
+    from shoal.kernels.paged_attention import paged_decode_attention_triton
+
+    g = torch.Generator().manual_seed(3)
+    k8, v8, ks, vs = _cache(g, 200, 16, 8, 128, "cuda", minor)
+    B = 64
+    q = torch.randn(B, 32, 128, generator=g).to(torch.bfloat16).cuda()
+    bt = torch.randperm(200, generator=g)[: 3 * 64].reshape(64, 3).int().cuda() % 200
+    cl = torch.randint(1, 48, (B,), generator=g).int().cuda()
+    out = torch.empty_like(q)
+
+    def call():
+        paged_decode_attention_triton(q, k8, v8, bt, cl, 128 ** -0.5, out=out, k_scale=ks, v_scale=vs, cvt="mma8")
+
+    call()
+    want = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
