@@ -37,7 +37,8 @@ def _case_decode(H, Hkv, splits, minor, dev="cpu", D=64, B=4, block_n=64, lens=(
     from shoal.kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
 
     g = torch.Generator().manual_seed(H * 31 + Hkv + splits + 7 * minor)
-    nb, bs = 48, 16
+    bs = 16
+    nb = max(48, B * -(-max(lens) // bs))
     k8, v8, ks, vs = _cache(g, nb, bs, Hkv, D, dev, minor)
     q = (torch.randn(B, H, D, generator=g) * 3).to(torch.bfloat16).to(dev)
     maxb = -(-max(lens) // bs)
@@ -66,6 +67,7 @@ CASES = {
     "g1_minor": lambda: _case_decode(4, 4, 2, True),
     "g8_std_bn128": lambda: _case_decode(16, 2, 1, False, block_n=128),
     "g8_minor_bn32": lambda: _case_decode(16, 2, 2, True, block_n=32),
+    "g16_minor": lambda: _case_decode(16, 1, 1, True),
 }
 
 if __name__ == "__main__":  # child process: TRITON_INTERPRET=1
@@ -98,7 +100,7 @@ def test_token_minor_layout():
 
 
 def test_mma8_falls_back_for_groups_past_eight_and_fp32_queries(monkeypatch):
-    """More than 8 query heads per KV head, or fp32 queries (the exact path): the widening kernel
+    """More than 16 query heads per KV head, or fp32 queries (the exact path): the widening kernel
     runs instead (the call is the same as with its own cvt)."""
     from shoal.kernels import paged_attention as pa
 
@@ -112,7 +114,7 @@ def test_mma8_falls_back_for_groups_past_eight_and_fp32_queries(monkeypatch):
     k8, v8, ks, vs = _cache(g, 8, 16, 1, 64, "cpu", False)
     bt = torch.arange(4, dtype=torch.int32)[None]
     cl = torch.tensor([40], dtype=torch.int32)
-    for H, dt, want in ((16, torch.bfloat16, "widen"), (4, torch.float32, "widen"), (8, torch.bfloat16, "mma8")):
+    for H, dt, want in ((32, torch.bfloat16, "widen"), (4, torch.float32, "widen"), (16, torch.bfloat16, "mma8")):
         seen.clear()
         q = torch.randn(1, H, 64).to(dt)
         pa.paged_decode_attention_triton(q, k8, v8, bt, cl, 0.125, k_scale=ks, v_scale=vs, cvt="mma8",

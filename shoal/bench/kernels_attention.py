@@ -294,7 +294,8 @@ def run_sweep(device, iters):
     return out
 
 
-def run_fp8_sweep(device, iters, cells=((1, 1024), (16, 1024), (64, 512), (64, 1024), (64, 4096), (128, 1024))):
+def run_fp8_sweep(device, iters, cells=((1, 1024), (16, 1024), (64, 512), (64, 1024), (64, 4096), (128, 1024)),
+                  widening=False, std_layout=False):
     """Launch options of the kernel on an FP8 cache (``pa.FP8_KV_CONFIG``): the e4m3 widening
     dtype, tile size, warps, pipeline stages, split multiplier. Returns the cells' timings and
     the config with the lowest total time over the cells (relative to each cell's best)."""
@@ -302,23 +303,28 @@ def run_fp8_sweep(device, iters, cells=((1, 1024), (16, 1024), (64, 512), (64, 1
 
     scale = 1.0 / math.sqrt(D)
     configs = []
-    for cvt in ("f16", "q"):
+    if widening:
+        for cvt in ("f16", "q"):
+            for block_n in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        configs.append({"cvt": cvt, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                                        "split_mult": 1})
+            configs.append({"cvt": cvt, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 2})
+    else:  # the widening kernel's packaged launch only, for reference
+        configs.append({"cvt": "f16", "block_n": 128, "num_warps": 4, "num_stages": 2, "split_mult": 1})
+    # the e4m3-operand kernel (shoal.kernels.paged_attention_fp8) on a token-minor V (v_layout
+    # "minor", the layout it loads without a transpose; on the standard layout it ran 1.5-1.9x
+    # slower, 2026-12-02) and, with --fp8-sweep-std, on the standard one
+    for v_layout in ("minor", "std") if std_layout else ("minor",):
         for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    configs.append({"cvt": cvt, "block_n": block_n, "num_warps": warps, "num_stages": stages,
-                                    "split_mult": 1})
-        configs.append({"cvt": cvt, "block_n": 64, "num_warps": 4, "num_stages": 2, "split_mult": 2})
-    # the e4m3-operand kernel (shoal.kernels.paged_attention_fp8), on the standard V layout and
-    # on a token-minor V (v_layout "minor": the cache layout it loads without a transpose)
-    for v_layout in ("std", "minor"):
-        for block_n in (64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
                     configs.append({"cvt": "mma8", "block_n": block_n, "num_warps": warps, "num_stages": stages,
                                     "split_mult": 1, "v_layout": v_layout})
-        configs.append({"cvt": "mma8", "block_n": 64, "num_warps": 4, "num_stages": 3, "split_mult": 2,
-                        "v_layout": v_layout})
+        for block_n in (32, 64):
+            configs.append({"cvt": "mma8", "block_n": block_n, "num_warps": 4, "num_stages": 3, "split_mult": 2,
+                            "v_layout": v_layout})
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     out = {"cells": [], "configs": configs}
     times = [[None] * len(configs) for _ in cells]
@@ -403,6 +409,10 @@ def main(argv=None):
     ap.add_argument("--fp8-sweep", action="store_true",
                     help="also sweep the FP8-cache launch options (writes the best as SHOAL_ATTN_FP8_CONFIG "
                          "to DIR/fp8_kv_config.env)")
+    ap.add_argument("--fp8-sweep-widening", action="store_true",
+                    help="the FP8 sweep also covers the widening kernel's launch options (cvt f16 / q)")
+    ap.add_argument("--fp8-sweep-std", action="store_true",
+                    help="the FP8 sweep also runs the e4m3-operand kernel on the standard V layout")
     args = ap.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
@@ -470,7 +480,8 @@ def main(argv=None):
             _log(traceback.format_exc())
     if args.fp8_sweep:
         try:
-            report["fp8_sweep"] = run_fp8_sweep(device, max(5, args.iters // 2))
+            report["fp8_sweep"] = run_fp8_sweep(device, max(5, args.iters // 2), widening=args.fp8_sweep_widening,
+                                                std_layout=args.fp8_sweep_std)
             with open(os.path.join(args.out, "fp8_kv_config.env"), "w") as f:
                 f.write(report["fp8_sweep"]["env"] + "\n")
         except Exception as e:  # noqa: BLE001

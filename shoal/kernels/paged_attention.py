@@ -646,7 +646,7 @@ def paged_decode_attention_triton(
     pdl = pdl_options(q)
     counters = None
     if mma8:
-        from .paged_attention_fp8 import mma8_kernel
+        from .paged_attention_fp8 import mma8_kernel, mma8_slots
 
         mma8_kernel(bool(interpret))[(H_kv, B, num_splits)](
             q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, partial_o, partial_lse,
@@ -654,7 +654,7 @@ def paged_decode_attention_triton(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             k_scale.stride(0), k_scale.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *p_strides,
-            GROUP=group, HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), num_warps=num_warps, num_stages=num_stages, **pdl)
     elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)

@@ -39,9 +39,19 @@ import torch
 
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
-__all__ = ["MMA8_GROUP_MAX", "token_minor_like", "is_token_minor"]
+__all__ = ["MMA8_GROUP_MAX", "mma8_slots", "token_minor_like", "is_token_minor"]
 
-MMA8_GROUP_MAX = 8  # query heads per KV head that the 16 MMA columns hold (hi + lo terms)
+MMA8_GROUP_MAX = 16  # query heads per KV head (the MMAs' N axis); larger groups use the widening kernel
+SLOTS_ENV = "SHOAL_ATTN_MMA8_SLOTS"  # the smallest N of the kernel's MMAs (8, or 16)
+
+
+def mma8_slots(group: int) -> int:
+    """The MMAs' N: the group's query heads padded to a power of two >= 8 (env
+    ``SHOAL_ATTN_MMA8_SLOTS`` raises the floor, e.g. 16)."""
+    import os
+
+    floor = int(os.environ.get(SLOTS_ENV, "8"))
+    return max(floor, 1 << max(0, (int(group) - 1).bit_length()))
 
 
 def token_minor_like(shape, device, dtype=torch.float8_e4m3fn) -> torch.Tensor:
@@ -80,20 +90,12 @@ if HAS_TRITON:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
 
-    def _pair_sum_impl(x, ROWS: tl.constexpr):
-        """``x [ROWS, 16]`` (columns: 8 hi slots, then their 8 lo slots) -> ``hi + lo / 16``
-        as ``[ROWS, 8]``."""
-        x3 = tl.reshape(x, (ROWS, 2, 8))
-        w = tl.where(tl.arange(0, 2) == 0, 1.0, 0.0625)
-        return tl.sum(x3 * w[None, :, None], axis=1)
-
     if triton_interpreting():
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
     else:
         from triton.runtime.jit import JITFunction as _Wrap
     _split8 = _Wrap(_split8_impl)
     _mma8 = _Wrap(_mma8_impl)
-    _pair_sum = _Wrap(_pair_sum_impl)
 
     def _split_kernel_mma8(
         q_ptr,
@@ -127,6 +129,7 @@ if HAS_TRITON:
         stride_lb,
         stride_lh,
         GROUP: tl.constexpr,
+        SLOTS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -146,27 +149,25 @@ if HAS_TRITON:
         tile_lo = split * tiles_per_split
         tile_hi = tl.minimum(tile_lo + tiles_per_split, n_tiles)
 
-        # the 16 MMA columns: slot c < 8 holds head c's hi term, slot 8 + c its lo term
-        offs_c = tl.arange(0, 16)
-        slot = offs_c % 8
-        c_valid = slot < GROUP
-        offs_h = tl.arange(0, 8)
+        # the MMAs' N axis: the group's query heads, padded to SLOTS columns
+        offs_h = tl.arange(0, SLOTS)
         h_valid = offs_h < GROUP
         offs_d = tl.arange(0, HEAD_DIM)
         offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * GROUP + offs_h
 
-        q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + slot)[:, None] * stride_qh + offs_d[None, :],
-                    mask=c_valid[:, None], other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_valid[:, None], other=0.0).to(tl.float32)
         q_amax = tl.maximum(tl.max(tl.abs(q), 1), 1e-30)
         q_hi, q_lo = _split8(q * (448.0 / q_amax)[:, None], UPCAST_DOT)
-        qx = tl.where((offs_c < 8)[:, None], q_hi, q_lo)  # [16, D] e4m3
-        qx_t = tl.trans(qx)  # [D, 16]
-        # per head slot: the query's dequant scale times the softmax scale (log2 units)
-        q_scale = tl.max(tl.where(offs_h[:, None] == slot[None, :], q_amax[None, :], 0.0), 1) * (qk_scale / 448.0)
+        q_hi_t = tl.trans(q_hi)  # [D, SLOTS]
+        q_lo_t = tl.trans(q_lo)
+        # per head: the query's dequant scale times the softmax scale (log2 units)
+        q_scale = q_amax * (qk_scale / 448.0)
 
-        m_i = tl.full([8], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([8], dtype=tl.float32)
-        acc = tl.zeros([HEAD_DIM, 8], dtype=tl.float32)  # O^T
+        m_i = tl.full([SLOTS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([SLOTS], dtype=tl.float32)
+        acc = tl.zeros([HEAD_DIM, SLOTS], dtype=tl.float32)  # O^T
 
         bt_row = bt_ptr + b * stride_btb
         k_head = k_ptr + kvh * stride_kh
@@ -197,24 +198,23 @@ if HAS_TRITON:
             ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
             vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
 
-            s = _pair_sum(_mma8(k8, qx_t, UPCAST_DOT), BLOCK_N)  # [BLOCK_N, 8]
+            # the hi and lo products are independent MMAs, combined once both are in registers
+            s = _mma8(k8, q_hi_t, UPCAST_DOT) + _mma8(k8, q_lo_t, UPCAST_DOT) * 0.0625  # [BLOCK_N, SLOTS]
             s = s * ksc[:, None] * q_scale[None, :]
             s = tl.where(tok_mask[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, 8], in [0, 1]
+            p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, SLOTS], in [0, 1]
             l_i = l_i * alpha + tl.sum(p, 0)
             vs_max = tl.maximum(tl.max(vsc, 0), 1e-30)
             p_hi, p_lo = _split8(p * (vsc * (256.0 / vs_max))[:, None], UPCAST_DOT)
-            px = tl.reshape(tl.permute(tl.join(p_hi, p_lo), (0, 2, 1)), (BLOCK_N, 16))  # [hi slots | lo slots]
-            pv = _pair_sum(_mma8(v8t, px, UPCAST_DOT), HEAD_DIM)  # [D, 8]
+            pv = _mma8(v8t, p_hi, UPCAST_DOT) + _mma8(v8t, p_lo, UPCAST_DOT) * 0.0625  # [D, SLOTS]
             acc = acc * alpha[None, :] + pv * (vs_max / 256.0)
             m_i = m_new
 
         has = l_i > 0.0
         l_safe = tl.where(has, l_i, 1.0)
-        out = acc / l_safe[None, :]  # [D, 8]
-        heads = kvh * GROUP + offs_h
+        out = acc / l_safe[None, :]  # [D, SLOTS]
         if NUM_SPLITS == 1:
             tl.store(o_ptr + b * stride_ob + heads[None, :] * stride_oh + offs_d[:, None],
                      out.to(o_ptr.dtype.element_ty), mask=h_valid[None, :])
