@@ -59,7 +59,55 @@ def _case_decode(H, Hkv, splits, minor, dev="cpu", D=64, B=4, block_n=64, lens=(
     return {"checks": {"rel_err": (e_new, 8e-3), "vs_widening": (e_new, 1.25 * e_old + 1e-4)}, "flags": flags}
 
 
+def _case_write_minor(dev="cpu"):
+    """The fused qk-norm/RoPE/cache-write kernel into a token-minor V: the same logical bytes
+    as write_kv into standard caches."""
+    from shoal.kernels import fused as fz
+    from shoal.kernels.paged_attention_fp8 import token_minor_like
+    from shoal.model.layers import rope_table
+
+    g = torch.Generator().manual_seed(5)
+    H, Hkv, D, N, nb, bs = 4, 2, 64, 9, 6, 16
+    qkv = (torch.randn(N, (H + 2 * Hkv) * D, generator=g) * 3).to(torch.bfloat16).to(dev)
+    pos = torch.randint(0, 60, (N,), generator=g).to(dev)
+    tab = rope_table(64, D, 10000.0).to(torch.bfloat16).to(dev)
+    qw = (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16).to(dev)
+    kw = (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16).to(dev)
+    slots = torch.randperm(nb * bs, generator=g)[:N].to(dev)
+    slots[4] = -1  # a padding row: nothing written
+    kc = torch.zeros(nb, bs, Hkv, D, dtype=torch.float8_e4m3fn, device=dev)
+    vc = token_minor_like(kc.shape, dev)
+    ks, vs = torch.zeros(nb, bs, Hkv, device=dev), torch.zeros(nb, bs, Hkv, device=dev)
+    q = fz.qk_norm_rope_write_triton(qkv, pos, tab, qw, kw, 1e-6, kc, vc, slots, H, Hkv, D, k_scale=ks, v_scale=vs)
+    rk, rv = torch.zeros_like(kc), torch.zeros_like(kc)
+    rks, rvs = torch.zeros_like(ks), torch.zeros_like(vs)
+    keep = slots >= 0
+    qr = fz.qk_norm_rope_write_ref(qkv[keep], pos[keep], tab, qw, kw, 1e-6, rk, rv, slots[keep], H, Hkv, D, rks, rvs)
+    same = lambda a, b: torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # noqa: E731
+    return {"checks": {"q_err": ((q[keep].float() - qr.float()).abs().max().item(), 0.0)},
+            "flags": {"k_bytes_equal": same(kc, rk), "v_bytes_equal": same(vc, rv), "v_scales_equal": torch.equal(vs, rvs),
+                      "written": bool((rv.view(torch.uint8) != 0).any())}}
+
+
+def _case_prefill_minor(dev="cpu"):
+    """Prefill attention on a token-minor V equals the same call on the standard layout."""
+    from shoal.kernels.prefill_attention import paged_prefill_attention_triton
+
+    g = torch.Generator().manual_seed(11)
+    H, Hkv, D, nb, bs = 8, 2, 64, 30, 16
+    k8, v8m, ks, vs = _cache(g, nb, bs, Hkv, D, dev, True)
+    cu = torch.tensor([0, 20, 21, 60], device=dev)
+    start = torch.tensor([0, 40, 5], device=dev)
+    q = torch.randn(64, H, D, generator=g).to(torch.bfloat16).to(dev)
+    bt = torch.randperm(nb, generator=g)[:24].reshape(3, 8).int().to(dev)
+    a = paged_prefill_attention_triton(q, k8, v8m, bt, cu, start, D ** -0.5, k_scale=ks, v_scale=vs)
+    b = paged_prefill_attention_triton(q, k8, v8m.contiguous(), bt, cu, start, D ** -0.5, k_scale=ks, v_scale=vs)
+    return {"checks": {"diff": ((a.float() - b.float()).abs().max().item(), 0.0)}, "flags": {}}
+
+
 CASES = {
+    "write_minor": _case_write_minor,
+    "prefill_minor": _case_prefill_minor,
     "g4_1split_std": lambda: _case_decode(8, 2, 1, False),
     "g4_3splits_std": lambda: _case_decode(8, 2, 3, False),
     "g4_1split_minor": lambda: _case_decode(8, 2, 1, True),
@@ -128,6 +176,59 @@ class _Spy:
 
     def __getitem__(self, grid):
         return lambda *a, **k: self.seen.append(self.name)
+
+
+def test_write_kv_into_a_token_minor_cache_equals_the_standard_layout():
+    from shoal.engine.attention import PagedKVCache
+
+    g = torch.Generator().manual_seed(2)
+    a = PagedKVCache(2, 5, 16, 2, 64, torch.bfloat16, "cpu", kv_dtype="fp8", v_token_minor=True)
+    b = PagedKVCache(2, 5, 16, 2, 64, torch.bfloat16, "cpu", kv_dtype="fp8", v_token_minor=False)
+    assert a.data is None and a.v(1).stride(1) == 1 and b.v(1).stride(-1) == 1
+    assert a.nbytes == b.nbytes
+    slots = torch.tensor([0, 17, 33, 79])
+    k, v = torch.randn(4, 2, 64, generator=g), torch.randn(4, 2, 64, generator=g)
+    for c in (a, b):
+        c.write(1, slots, k, v)
+    for l in (0, 1):
+        assert torch.equal(a.k(l).view(torch.uint8), b.k(l).view(torch.uint8))
+        assert torch.equal(a.v(l).contiguous().view(torch.uint8), b.v(l).view(torch.uint8))
+    with pytest.raises(ValueError, match="token-minor"):
+        PagedKVCache(1, 2, 16, 2, 64, torch.bfloat16, "cpu", v_token_minor=True)
+
+
+def test_engine_with_a_token_minor_fp8_cache_equals_the_fp8_reference_loop(monkeypatch, tiny_s2_checkpoint):
+    """The engine (chunked prefill, the fused path) on an FP8 cache whose values are stored
+    token-minor decodes exactly as the reference loop with its FP8 contiguous cache."""
+    import numpy as np
+
+    from shoal.checkpoint import load_dualar
+    from shoal.engine.engine import Engine, EngineConfig
+    from shoal.engine.generate import generate
+    from shoal.engine.request import EngineRequest, FinishEvent
+    from shoal.engine.sampling import SamplingParams
+    from shoal.kernels import paged_attention_fp8 as p8
+    from test_kv_fp8 import _session, fp8_reference
+
+    model, tok = load_dualar(tiny_s2_checkpoint, dtype=torch.float32)
+    monkeypatch.setattr(p8, "wants_token_minor", lambda dtype, group: True)
+    voice = np.random.default_rng(3).integers(0, 1024, size=(10, 40))
+    greedy = SamplingParams(greedy=True)
+    with fp8_reference(model):
+        want = {f"r{i}": generate(model, _session(tok, i, voice).grid(), greedy, tok.im_end_id, 6 + i).codes
+                for i in range(3)}
+    try:
+        eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=96, prefill_chunk=7,
+                                                               kv_cache_dtype="fp8", fused_kernels=True))
+        assert eng.runner.kv.v_token_minor
+        for i in range(3):
+            eng.add_request(EngineRequest(session=_session(tok, i, voice), params=greedy, max_new_tokens=6 + i,
+                                          request_id=f"r{i}"))
+        done = {e.request_id: e for e in eng.run_until_done() if isinstance(e, FinishEvent)}
+    finally:
+        model.fused = False
+    for rid, codes in want.items():
+        assert np.array_equal(done[rid].codes, codes), rid
 
 
 # ------------------------------------------------------------------------------------- GPU

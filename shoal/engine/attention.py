@@ -28,15 +28,38 @@ class PagedKVCache:
 
     ``kv_dtype=torch.float8_e4m3fn`` (or ``"fp8"``): an FP8 KV cache (:mod:`shoal.quant.kv`),
     e4m3 values plus ``scales`` [layers, 2, num_blocks, block_size, H_kv] fp32, one per
-    (token, KV head); about half the bytes per token, which the decode attention reads."""
+    (token, KV head); about half the bytes per token, which the decode attention reads.
+
+    ``v_token_minor`` (FP8 caches; default: when the FP8 decode attention runs its e4m3-operand
+    kernel, :func:`shoal.kernels.paged_attention_fp8.wants_token_minor`): the values
+    are stored ``[layers, num_blocks, H_kv, D, block_size]`` (each page's tokens contiguous, the
+    K-major operand that kernel reads without a transpose) and :meth:`v` returns the same logical
+    ``[num_blocks, block_size, H_kv, D]`` view; keys keep the standard layout. Every reader and
+    writer takes the cache through its strides."""
 
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
-                 kv_dtype: torch.dtype | str | None = None) -> None:
+                 kv_dtype: torch.dtype | str | None = None, v_token_minor: bool | None = None,
+                 group: int = 1) -> None:
         kv_dtype = parse_kv_cache_dtype(kv_dtype)
         self.fp8 = kv_dtype == FP8_KV_DTYPE
-        self.data = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
-                                dtype=kv_dtype or dtype, device=device)
+        if v_token_minor is None:  # ``group``: query heads per KV head
+            from ..kernels.paged_attention_fp8 import wants_token_minor
+
+            v_token_minor = self.fp8 and wants_token_minor(dtype, group)
+        if v_token_minor and not self.fp8:
+            raise ValueError("a token-minor value layout is for an FP8 KV cache")
+        self.v_token_minor = bool(v_token_minor)
+        self.head_dim = head_dim
+        if self.v_token_minor:
+            self.data = None
+            self.k_data = torch.zeros(n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=kv_dtype,
+                                      device=device)
+            self.v_data = torch.zeros(n_layers, num_blocks, n_kv_heads, head_dim, block_size, dtype=kv_dtype,
+                                      device=device).permute(0, 1, 4, 2, 3)
+        else:
+            self.data = torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads, head_dim,
+                                    dtype=kv_dtype or dtype, device=device)
         self.scales = (torch.zeros(n_layers, 2, num_blocks, block_size, n_kv_heads,
                                    dtype=torch.float32, device=device) if self.fp8 else None)
         self.block_size = block_size
@@ -53,10 +76,10 @@ class PagedKVCache:
         return 2 * n_layers * block_size * per_token
 
     def k(self, layer: int) -> Tensor:
-        return self.data[layer, 0]
+        return self.k_data[layer] if self.data is None else self.data[layer, 0]
 
     def v(self, layer: int) -> Tensor:
-        return self.data[layer, 1]
+        return self.v_data[layer] if self.data is None else self.data[layer, 1]
 
     def k_scale(self, layer: int) -> Tensor | None:
         return None if self.scales is None else self.scales[layer, 0]
@@ -70,7 +93,10 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        n = self.data.numel() * self.data.element_size()
+        if self.data is None:
+            n = (self.k_data.numel() + self.v_data.numel()) * self.k_data.element_size()
+        else:
+            n = self.data.numel() * self.data.element_size()
         return n + (0 if self.scales is None else self.scales.numel() * 4)
 
 
@@ -127,7 +153,7 @@ class PagedPrefillBackend(_PagedCacheTarget):
 
     def __init__(self, cache: PagedKVCache, n_heads: int, n_kv_heads: int, head_dim: int | None = None) -> None:
         self.cache = cache
-        self.scale = (head_dim or cache.data.shape[-1]) ** -0.5
+        self.scale = (head_dim or cache.head_dim) ** -0.5
         self.slots: Tensor | None = None
         self.cu_seqlens: Tensor | None = None
         self.start_pos: Tensor | None = None

@@ -144,7 +144,8 @@ class ModelRunner:
         # one extra block and one extra slot are scratch space for padding rows
         self.scratch_block = cfg.num_blocks
         self.kv = PagedKVCache(s.n_layer, cfg.num_blocks + 1, cfg.block_size, s.n_local_heads,
-                               s.head_dim, dt, dev, kv_dtype=cfg.kv_cache_dtype)
+                               s.head_dim, dt, dev, kv_dtype=cfg.kv_cache_dtype,
+                               group=s.n_head // s.n_local_heads)
         S = cfg.max_slots + 1
         self.scratch_slot = cfg.max_slots
         self.last_col = torch.zeros(S, self.C + 1, dtype=torch.long, device=dev)

@@ -182,26 +182,46 @@ def _flat_cache(cache: Tensor, n_kv_head: int, head_dim: int) -> Tensor:
     return cache.view(-1, n_kv_head, head_dim)  # a view: writes land in the cache
 
 
+def _paged_minor(cache: Tensor) -> bool:
+    """A ``[num_blocks, block_size, H_kv, D]`` cache stored token-minor (no flat slot view)."""
+    from .paged_attention_fp8 import is_token_minor
+
+    return cache.dim() == 4 and is_token_minor(cache)
+
+
+def _scatter_slots(cache: Tensor, slots: Tensor, x: Tensor) -> None:
+    """``x [N, H_kv, D]`` into ``cache`` at flat ``slots`` (block * block_size + offset); an
+    FP8 cache as bytes (index_copy_ / index_put_ have no float8 kernel on every device)."""
+    raw = (lambda t: t.view(torch.uint8)) if cache.dtype == torch.float8_e4m3fn else (lambda t: t)
+    if _paged_minor(cache):
+        bs = cache.shape[1]
+        raw(cache)[slots // bs, slots % bs] = raw(x.to(cache.dtype))
+    else:
+        flat = _flat_cache(cache, x.shape[-2], x.shape[-1])
+        raw(flat).index_copy_(0, slots, raw(x.to(cache.dtype)))
+
+
 def write_kv(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor,
              k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> None:
     """k / v ``[N, H_kv, D]`` into the caches (``[..., H_kv, D]``, flattened) at flat ``slots``
     ``[N]`` (``index_copy_``); an FP8 cache (``k_scale`` / ``v_scale`` ``[..., H_kv]``) gets
     the e4m3 values and per-head scales of :func:`shoal.quant.kv.quantize_kv`."""
     H_kv, D = k.shape[-2], k.shape[-1]
-    kc, vc = _flat_cache(k_cache, H_kv, D), _flat_cache(v_cache, H_kv, D)
-    fp8 = kc.dtype == torch.float8_e4m3fn
-    if fp8 != (k_scale is not None and v_scale is not None) or (vc.dtype == torch.float8_e4m3fn) != fp8:
+    for c in (k_cache, v_cache):
+        if c.dim() < 3 or tuple(c.shape[-2:]) != (H_kv, D):
+            raise ValueError(f"cache must be [..., H_kv={H_kv}, D={D}], got {tuple(c.shape)}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 != (k_scale is not None and v_scale is not None) or (v_cache.dtype == torch.float8_e4m3fn) != fp8:
         raise ValueError("an FP8 (float8_e4m3fn) KV cache needs k_scale and v_scale, and only it takes them")
     if k_scale is None:
-        kc.index_copy_(0, slots, k.to(kc.dtype))
-        vc.index_copy_(0, slots, v.to(vc.dtype))
+        _scatter_slots(k_cache, slots, k)
+        _scatter_slots(v_cache, slots, v)
         return
     from ..quant.kv import quantize_kv
 
-    for cache, sc, x in ((kc, k_scale, k), (vc, v_scale, v)):
+    for cache, sc, x in ((k_cache, k_scale, k), (v_cache, v_scale, v)):
         xq, xs = quantize_kv(x)
-        # as bytes: index_copy_ has no float8 kernel on every device
-        cache.view(torch.uint8).index_copy_(0, slots, xq.view(torch.uint8))
+        _scatter_slots(cache, slots, xq)
         sc.view(-1, H_kv).index_copy_(0, slots, xs)
 
 
@@ -353,8 +373,14 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,
         KV_FP8: tl.constexpr,
         PDL: tl.constexpr = False,
+        V_PAGE: tl.constexpr = 0,
+        stride_vc_b=0,
+        stride_vc_t=0,
+        stride_vc_d=0,
     ):
         pdl_enter(PDL)
+        # V_PAGE > 0: the value cache is paged [num_blocks, V_PAGE, H_kv, D] with its own
+        # strides (a token-minor FP8 cache, shoal.kernels.paged_attention_fp8), not flat slots
         # program (t, j): token t; j < N_HEAD -> query head j, else KV head j - N_HEAD
         # (K normed + roped, V copied). KV_FP8: K and V are stored as e4m3 with one fp32
         # scale per (token, KV head) at ks_ptr / vs_ptr (shoal.quant.kv). Head j's columns in qkv start at j * HEAD_DIM for
@@ -423,7 +449,11 @@ if HAS_TRITON:
             tl.store(kdst, oa.to(kc_ptr.dtype.element_ty), mask=wmask)
             tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=wmask)
         dmask = vload & ((d * 0 + slot) >= 0)
-        vdst = vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d
+        if V_PAGE > 0:
+            vdst = (vc_ptr + (slot // V_PAGE) * stride_vc_b + (slot % V_PAGE) * stride_vc_t + kvh * stride_vc_h
+                    + d * stride_vc_d)
+        else:
+            vdst = vc_ptr + slot * stride_vc_s + kvh * stride_vc_h + d
         if KV_FP8:
             vqs, vsc = _e4m3_scale(tl.zeros([HEAD_DIM], tl.float32) + tl.max(tl.abs(vf), 0))
             tl.store(vdst, _e4m3(vf, vqs), mask=dmask)
@@ -758,18 +788,21 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
     if cos_sin.dim() != 3 or cos_sin.shape[1:] != (D // 2, 2):
         raise ValueError(f"cos_sin must be [L, {D // 2}, 2], got {tuple(cos_sin.shape)}")
     kc = _flat_cache(k_cache, n_kv_head, D)
-    vc = _flat_cache(v_cache, n_kv_head, D)
+    v_minor = _paged_minor(v_cache)
+    if v_minor and tuple(v_cache.shape[-2:]) != (n_kv_head, D):
+        raise ValueError(f"cache must be [..., H_kv={n_kv_head}, D={D}], got {tuple(v_cache.shape)}")
+    vc = v_cache if v_minor else _flat_cache(v_cache, n_kv_head, D)
     kv_fp8 = k_scale is not None or v_scale is not None
     if kv_fp8:
         if kc.dtype != torch.float8_e4m3fn or vc.dtype != torch.float8_e4m3fn or k_scale is None or v_scale is None:
             raise ValueError("an FP8 KV write needs float8_e4m3fn caches and both k_scale and v_scale")
         ks, vs = k_scale.reshape(-1, n_kv_head), v_scale.reshape(-1, n_kv_head)
-        if (ks.shape[0] != kc.shape[0] or vs.shape != ks.shape or ks.dtype != torch.float32
+        if (ks.shape[0] != kc.shape[0] or vs.shape != ks.shape or (v_minor and vc.dtype != torch.float8_e4m3fn) or ks.dtype != torch.float32
                 or vs.dtype != torch.float32 or ks.stride() != (n_kv_head, 1) or vs.stride() != ks.stride()):
             raise ValueError(f"k_scale / v_scale must be contiguous float32 [slots={kc.shape[0]}, {n_kv_head}]")
     elif kc.dtype != dtype or vc.dtype != dtype:
         raise ValueError(f"cache dtype {kc.dtype} / {vc.dtype} != qkv dtype {dtype}")
-    if kc.stride(-1) != 1 or vc.stride(-1) != 1:
+    if kc.stride(-1) != 1 or (vc.stride(-1) != 1 and not v_minor):
         raise ValueError("caches must be contiguous in head_dim")
     if q_out is None:
         q_out = torch.empty((N, n_head, D), dtype=dtype, device=device)
@@ -788,7 +821,8 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
     _kernel("_qk_norm_rope_write_kernel")[(N, n_head + n_kv_head)](
         qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc, ks if kv_fp8 else kc, vs if kv_fp8 else vc,
         stride_row, stride_split, cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
-        q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+        q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), 0 if v_minor else vc.stride(0),
+        vc.stride(2) if v_minor else vc.stride(1),
         n_kv_head if kv_fp8 else 0,
         1.0 / D, float(eps),
         N_HEAD=n_head,
@@ -800,6 +834,10 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         DT=_DT_CODE[dtype],
         SPLIT=split,
         KV_FP8=kv_fp8,
+        V_PAGE=v_cache.shape[1] if v_minor else 0,
+        stride_vc_b=vc.stride(0) if v_minor else 0,
+        stride_vc_t=vc.stride(1) if v_minor else 0,
+        stride_vc_d=vc.stride(3) if v_minor else 0,
         **_launch_opts(1 if D <= 128 else 2, qkv2),
     )
     return q_out

@@ -572,7 +572,8 @@ def paged_decode_attention_triton(
         raise RuntimeError("triton is not installed")
     B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     kv_fp8 = k_scale is not None
-    if kv_fp8 and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
+    if kv_fp8 and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1) and not (
+            (cvt if cvt is not None else fp8_kv_config()["cvt"]) == "mma8"):
         raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     if D not in (32, 64, 128):
         raise ValueError(f"head_dim {D} not supported by the Triton kernel (32, 64 or 128)")
@@ -653,8 +654,8 @@ def paged_decode_attention_triton(
             float(scale) * _LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
-            k_scale.stride(0), k_scale.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), *p_strides,
-            GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+            *p_strides, GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), num_warps=num_warps, num_stages=num_stages, **pdl)
     elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)

@@ -39,7 +39,7 @@ import torch
 
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
-__all__ = ["MMA8_GROUP_MAX", "mma8_slots", "token_minor_like", "is_token_minor"]
+__all__ = ["MMA8_GROUP_MAX", "mma8_slots", "token_minor_like", "is_token_minor", "wants_token_minor"]
 
 MMA8_GROUP_MAX = 16  # query heads per KV head (the MMAs' N axis); larger groups use the widening kernel
 SLOTS_ENV = "SHOAL_ATTN_MMA8_SLOTS"  # the smallest N of the kernel's MMAs (8, or 16)
@@ -52,6 +52,15 @@ def mma8_slots(group: int) -> int:
 
     floor = int(os.environ.get(SLOTS_ENV, "8"))
     return max(floor, 1 << max(0, (int(group) - 1).bit_length()))
+
+
+def wants_token_minor(dtype: torch.dtype, group: int) -> bool:
+    """Whether an FP8 KV cache for a model of ``dtype`` with ``group`` query heads per KV head
+    should store its values token-minor: when its decode attention runs this kernel (the
+    FP8-cache launch config's ``cvt`` is "mma8", and the model is not fp32 and the group fits)."""
+    from .paged_attention import fp8_kv_config
+
+    return fp8_kv_config()["cvt"] == "mma8" and dtype != torch.float32 and group <= MMA8_GROUP_MAX
 
 
 def token_minor_like(shape, device, dtype=torch.float8_e4m3fn) -> torch.Tensor:
@@ -120,6 +129,7 @@ if HAS_TRITON:
         stride_vd,
         stride_sb,
         stride_st,
+        stride_sh,
         stride_btb,
         stride_ob,
         stride_oh,
@@ -172,8 +182,8 @@ if HAS_TRITON:
         bt_row = bt_ptr + b * stride_btb
         k_head = k_ptr + kvh * stride_kh
         v_head = v_ptr + kvh * stride_vh
-        ks_head = ks_ptr + kvh
-        vs_head = vs_ptr + kvh
+        ks_head = ks_ptr + kvh * stride_sh
+        vs_head = vs_ptr + kvh * stride_sh
         for tile in range(tile_lo, tile_hi):
             tok = tile * BLOCK_N + offs_n
             tok_mask = tok < ctx

@@ -170,6 +170,22 @@ def paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens, s
 
 if HAS_TRITON:
 
+    def _v_ptrs_impl(v_head, page, slot, offs_d, stride_vb, stride_vt, stride_vd, PAGE_SIZE: tl.constexpr,
+                     TOKEN_MINOR: tl.constexpr):
+        """Pointers of a [BLOCK_N, D] value tile. TOKEN_MINOR (an FP8 cache stored token-minor,
+        stride_vt == 1): runs of 16 tokens of one page are 16 contiguous, 16-byte aligned bytes
+        (callers mask whole pages, so the loads vectorise along the tokens)."""
+        ptrs = v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :] * stride_vd
+        if TOKEN_MINOR and PAGE_SIZE % 16 == 0:
+            ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [16, 1]), [16, 1])
+        return ptrs
+
+    if triton_interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as _Wrap
+    else:
+        from triton.runtime.jit import JITFunction as _Wrap
+    _v_ptrs = _Wrap(_v_ptrs_impl)
+
     def _prefill_kernel(
         q_ptr,
         k_ptr,
@@ -208,6 +224,8 @@ if HAS_TRITON:
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         KV_FP8: tl.constexpr,
+        stride_vd=1,
+        V_TOKEN_MINOR: tl.constexpr = False,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -275,7 +293,8 @@ if HAS_TRITON:
             page = tl.load(bt_row + key // PAGE_SIZE).to(tl.int64)
             slot = key % PAGE_SIZE
             k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :])
-            v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :])
+            v = tl.load(_v_ptrs(v_head, page, slot, offs_d, stride_vb, stride_vt, stride_vd, PAGE_SIZE,
+                                V_TOKEN_MINOR))
             if KV_FP8:
                 s_off = page * stride_sb + slot * stride_st
                 m_i, l_i, acc = _attend_tile(q, k, v, tl.load(ks_head + s_off), tl.load(vs_head + s_off),
@@ -289,12 +308,19 @@ if HAS_TRITON:
         for kt in range(n_full, n_all):
             key = kt * BLOCK_N + offs_n
             key_ok = key < kv_hi
-            page = tl.load(bt_row + key // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+            page = tl.load(bt_row + key // PAGE_SIZE, mask=(key // PAGE_SIZE) * PAGE_SIZE < kv_hi,
+                           other=0).to(tl.int64)
             slot = key % PAGE_SIZE
             k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
                         mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                        mask=key_ok[:, None], other=0.0)
+            if V_TOKEN_MINOR:
+                # whole pages (a mask constant over each run of 16 tokens): the last page's slots
+                # past kv_hi hold finite e4m3 and are not visible to any query
+                v = tl.load(_v_ptrs(v_head, page, slot, offs_d, stride_vb, stride_vt, stride_vd, PAGE_SIZE, True),
+                            mask=((key // PAGE_SIZE) * PAGE_SIZE < kv_hi)[:, None], other=0.0)
+            else:
+                v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                            mask=key_ok[:, None], other=0.0)
             visible = (key[None, :] <= qpos[:, None]) & key_ok[None, :]
             if KV_FP8:
                 s_off = page * stride_sb + slot * stride_st
@@ -360,7 +386,10 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     if not kernel_supported(D, q.dtype):
         raise ValueError(f"head_dim {D} / dtype {q.dtype} not supported by the Triton kernel")
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+    from .paged_attention_fp8 import is_token_minor
+
+    v_minor = kv_fp8 and is_token_minor(v_cache)
+    if k_cache.stride(-1) != 1 or (v_cache.stride(-1) != 1 and not v_minor):
         raise ValueError("k_cache/v_cache must be contiguous in the last (head_dim) dimension")
     interpret = triton_interpreting()
     if not interpret and not q.is_cuda:
@@ -431,6 +460,8 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=bool(interpret),  # see paged_attention._mma_impl
         KV_FP8=kv_fp8,
+        stride_vd=v_cache.stride(3),
+        V_TOKEN_MINOR=v_minor,
         num_warps=num_warps,
         num_stages=num_stages,
     )
