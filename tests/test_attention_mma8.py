@@ -272,3 +272,12 @@ def test_gpu_mma8_graph_replay(minor):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, want)
+
+
+@gpu
+@pytest.mark.parametrize("case", ["write_minor", "prefill_minor"])
+def test_gpu_token_minor_writers_and_prefill(case):
+    res = {"write_minor": _case_write_minor, "prefill_minor": _case_prefill_minor}[case]("cuda")
+    for k, (a, b) in res["checks"].items():
+        assert a <= b, (k, a, b)
+    assert all(res["flags"].values()), res["flags"]
