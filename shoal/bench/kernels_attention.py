@@ -193,6 +193,12 @@ def run_cell(B, ctx, bs, iters, device, methods, repeat_triton=False):
         k8, ks = quantize_kv(k)
         v8, vs = quantize_kv(v)
         del k, v
+        if pa.fp8_kv_config()["cvt"] == "mma8":  # the value layout the engine gives that kernel
+            from shoal.kernels.paged_attention_fp8 import token_minor_like
+
+            v8m = token_minor_like(v8.shape, v8.device)
+            v8m.copy_(v8)
+            v8 = v8m
         torch.cuda.empty_cache()
         try:
             lens = torch.randint(1, ctx + 1, (B,), generator=torch.Generator().manual_seed(B + ctx)).to(
