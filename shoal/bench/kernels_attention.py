@@ -323,13 +323,11 @@ def run_fp8_sweep(device, iters, cells=((1, 1024), (16, 1024), (64, 512), (64, 1
     # "minor", the layout it loads without a transpose; on the standard layout it ran 1.5-1.9x
     # slower, 2026-12-02) and, with --fp8-sweep-std, on the standard one
     for v_layout in ("minor", "std") if std_layout else ("minor",):
-        for page_ahead in (0, 1):
-            for block_n in (32, 64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3, 4):
-                        configs.append({"cvt": "mma8", "block_n": block_n, "num_warps": warps,
-                                        "num_stages": stages, "split_mult": 1, "page_ahead": page_ahead,
-                                        "v_layout": v_layout})
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    configs.append({"cvt": "mma8", "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                                    "split_mult": 1, "v_layout": v_layout})
         for block_n in (32, 64):
             configs.append({"cvt": "mma8", "block_n": block_n, "num_warps": 4, "num_stages": 3, "split_mult": 2,
                             "v_layout": v_layout})
@@ -357,7 +355,7 @@ def run_fp8_sweep(device, iters, cells=((1, 1024), (16, 1024), (64, 512), (64, 1
             base = pa.choose_num_splits(B, H_KV, ctx, c["block_n"], sms)
             splits = max(1, min(base * c["split_mult"], -(-ctx // c["block_n"]), 64))
             kw = dict(num_splits=splits, block_n=c["block_n"], num_warps=c["num_warps"],
-                      num_stages=c["num_stages"], cvt=c["cvt"], page_ahead=c.get("page_ahead", 0))
+                      num_stages=c["num_stages"], cvt=c["cvt"])
             rec = dict(c, splits=splits)
             vv = v8m if c.get("v_layout") == "minor" else v8
             try:

@@ -214,7 +214,6 @@ if HAS_TRITON:
         cnt_ptr=None,
         SPLITS_PAD: tl.constexpr = 2,
         FUSED_REDUCE: tl.constexpr = False,
-        PAGE_AHEAD: tl.constexpr = False,
     ):
         pdl_enter(PDL)
         kvh = tl.program_id(0)
@@ -273,20 +272,10 @@ if HAS_TRITON:
                 m_i, l_i, acc = _attend_tile(qd, k8, v8, ksc, vsc, tok_mask[None, :], m_i, l_i, acc, qk_scale,
                                              True, UPCAST_DOT, DOT_PRECISION)
         else:
-            if PAGE_AHEAD:  # page ids one tile ahead (loop-carried): see paged_attention_fp8
-                tok0 = tile_lo * BLOCK_N + offs_n
-                page_next = tl.load(bt_row + tok0 // PAGE_SIZE, mask=tok0 < ctx, other=0).to(tl.int64)
-            else:
-                page_next = tl.zeros([BLOCK_N], dtype=tl.int64)
             for tile in range(tile_lo, tile_hi):
                 tok = tile * BLOCK_N + offs_n
                 tok_mask = tok < ctx
-                if PAGE_AHEAD:
-                    page = page_next
-                    page_next = tl.load(bt_row + (tok + BLOCK_N) // PAGE_SIZE, mask=(tok + BLOCK_N) < ctx,
-                                        other=0).to(tl.int64)
-                else:
-                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+                page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
                 slot = tok % PAGE_SIZE
                 k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
                             mask=tok_mask[:, None], other=0.0)
@@ -520,12 +509,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     return max(1, min(want, max_tiles // 2, _MAX_SPLITS))
 
 
-# The model-dtype cache's pipeline: page ids loaded one tile ahead (loop-carried, so Triton's
-# pipeliner can keep the next tile's K/V copies in flight during this tile's products) and the
-# pipeline depth.
-DECODE_PAGE_AHEAD = False
-DECODE_STAGES = 2
-
 # Launch options of the kernel on an FP8 cache (keys of paged_decode_attention_triton plus
 # ``cvt``: "mma8" runs the e4m3-operand kernel of shoal.kernels.paged_attention_fp8 (the engine
 # then stores the cache's values token-minor), "f16" widens e4m3 to fp16 for the products (q is
@@ -534,7 +517,7 @@ DECODE_STAGES = 2
 # (2026-12-02, B 1-128 x 512-4k: "mma8" 1.1-1.3x faster than the widening kernel's best in
 # every cell); SHOAL_ATTN_FP8_CONFIG="key=value,..." overrides them ("cvt=f16,block_n=128":
 # the widening kernel's own best, and the standard value layout).
-FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "mma8", "split_mult": 1, "page_ahead": 0}
+FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "mma8", "split_mult": 1}
 
 
 def fp8_kv_config() -> dict:
@@ -573,7 +556,6 @@ def paged_decode_attention_triton(
     num_stages: Optional[int] = None,
     cvt: Optional[str] = None,
     fused_reduce: Optional[bool] = None,
-    page_ahead: Optional[bool] = None,
 ):
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
@@ -628,13 +610,10 @@ def paged_decode_attention_triton(
         num_stages = fc["num_stages"] if num_stages is None else num_stages
         cvt = fc["cvt"] if cvt is None else cvt
         split_mult = fc["split_mult"]
-        page_ahead = fc["page_ahead"] if page_ahead is None else page_ahead
         if cvt not in ("f16", "q", "mma8"):
             raise ValueError(f"cvt must be 'f16', 'q' or 'mma8', got {cvt!r}")
-    if page_ahead is None and not kv_fp8:
-        page_ahead = DECODE_PAGE_AHEAD
     num_warps = 4 if num_warps is None else num_warps
-    num_stages = (DECODE_STAGES if not kv_fp8 else 2) if num_stages is None else num_stages
+    num_stages = 2 if num_stages is None else num_stages
     if block_n is None:
         block_n = _default_block_n(block_size, D)
     if block_n < 16 or block_n & (block_n - 1):
@@ -680,8 +659,7 @@ def paged_decode_attention_triton(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
             *p_strides, GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), PAGE_AHEAD=bool(page_ahead), num_warps=num_warps,
-            num_stages=num_stages, **pdl)
+            V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), num_warps=num_warps, num_stages=num_stages, **pdl)
     elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)
 
@@ -727,7 +705,6 @@ def paged_decode_attention_triton(
             cnt_ptr=counters if counters is not None else context_lens,
             SPLITS_PAD=max(2, _next_pow2(num_splits)),
             FUSED_REDUCE=counters is not None,
-            PAGE_AHEAD=bool(page_ahead) and not kv_fp8,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl,

@@ -147,7 +147,6 @@ if HAS_TRITON:
         V_TOKEN_MINOR: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         PDL: tl.constexpr = False,
-        PAGE_AHEAD: tl.constexpr = False,
     ):
         pdl_enter(PDL)
         kvh = tl.program_id(0)
@@ -185,23 +184,11 @@ if HAS_TRITON:
         v_head = v_ptr + kvh * stride_vh
         ks_head = ks_ptr + kvh * stride_sh
         vs_head = vs_ptr + kvh * stride_sh
-        if PAGE_AHEAD:  # the first tile's page ids; each iteration loads the next tile's
-            tok0 = tile_lo * BLOCK_N + offs_n
-            page_next = tl.load(bt_row + tok0 // PAGE_SIZE, mask=(tok0 // PAGE_SIZE) * PAGE_SIZE < ctx,
-                                other=0).to(tl.int64)
-        else:
-            page_next = tl.zeros([BLOCK_N], dtype=tl.int64)
         for tile in range(tile_lo, tile_hi):
             tok = tile * BLOCK_N + offs_n
             tok_mask = tok < ctx
             page_mask = (tok // PAGE_SIZE) * PAGE_SIZE < ctx  # the token's page is the sequence's
-            if PAGE_AHEAD:
-                page = page_next
-                tok1 = tok + BLOCK_N
-                page_next = tl.load(bt_row + tok1 // PAGE_SIZE, mask=(tok1 // PAGE_SIZE) * PAGE_SIZE < ctx,
-                                    other=0).to(tl.int64)
-            else:
-                page = tl.load(bt_row + tok // PAGE_SIZE, mask=page_mask, other=0).to(tl.int64)
+            page = tl.load(bt_row + tok // PAGE_SIZE, mask=page_mask, other=0).to(tl.int64)
             pslot = tok % PAGE_SIZE
             k8 = tl.load(k_head + page[:, None] * stride_kb + pslot[:, None] * stride_kt + offs_d[None, :],
                          mask=tok_mask[:, None], other=0.0)
