@@ -7,7 +7,8 @@ Layout
   the last dimension must be contiguous. Or an FP8 KV cache (:mod:`shoal.quant.kv`): e4m3
   caches with ``k_scale`` / ``v_scale`` ``[num_blocks, block_size, H_kv]`` fp32 (one dequant
   scale per token and KV head); the kernel widens the e4m3 tiles exactly to ``q``'s dtype,
-  scales the scores by the key scales and the probabilities by the value scales.
+  scales the scores by the key scales and the probabilities by the value scales (the default
+  for FP8 caches is the e4m3-operand kernel of :mod:`shoal.kernels.paged_attention_fp8`).
 * ``block_tables``: ``[B, max_blocks]`` int32; token ``t`` of sequence ``b`` lives in
   page ``block_tables[b, t // block_size]`` at slot ``t % block_size``. Entries past a
   sequence's last page are never read (they may hold 0, -1 or garbage).
@@ -569,7 +570,10 @@ def paged_decode_attention_triton(
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
     ``v_scale``: the scales of an FP8 cache (see the module docstring); its launch options
-    default to :func:`fp8_kv_config` (``cvt``: see ``FP8_KV_CONFIG``).
+    default to :func:`fp8_kv_config` (``cvt``: see ``FP8_KV_CONFIG``; "mma8", the default, runs
+    the e4m3-operand kernel of :mod:`shoal.kernels.paged_attention_fp8`, which also reads a
+    token-minor ``v_cache``; groups past 16 query heads per KV head and fp32 queries fall back
+    to the widening kernel).
     """
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
