@@ -120,7 +120,7 @@ class PagedDecodeBackend(_PagedCacheTarget):
         self.scale = head_dim ** -0.5
         # an FP8 cache's kernel may widen to fp16 only for qk-normed queries (bounded, far inside
         # fp16's range); otherwise it widens to the query's dtype
-        self.fp8_cvt = None if qk_norm else "q"
+        self.fp8_cvt = None if qk_norm or cache.v_token_minor else "q"  # mma8 scales q per head: any range
         self.slots: Tensor | None = None
         self.block_tables: Tensor | None = None
         self.context_lens: Tensor | None = None
