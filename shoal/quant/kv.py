@@ -62,6 +62,9 @@ def quantize_kv(x: Tensor) -> tuple[Tensor, Tensor]:
 
     xf = x.float()
     q, scale = _quant_from_amax(xf, xf.abs().amax(dim=-1, keepdim=True))
+    # stored e4m3 is always finite (as the fused write kernel's clamp makes it): the token-minor
+    # readers load whole pages, and 0 * NaN past a context would leak into other requests
+    q = torch.nan_to_num(q.float(), nan=0.0).to(q.dtype)
     return q, scale[..., 0]
 
 
