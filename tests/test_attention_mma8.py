@@ -147,7 +147,7 @@ def test_token_minor_layout():
     assert torch.equal(t.float(), src.float())
 
 
-def test_mma8_falls_back_for_groups_past_eight_and_fp32_queries(monkeypatch):
+def test_mma8_falls_back_for_groups_past_sixteen_and_fp32_queries(monkeypatch):
     """More than 16 query heads per KV head, or fp32 queries (the exact path): the widening kernel
     runs instead (the call is the same as with its own cvt)."""
     from shoal.kernels import paged_attention as pa

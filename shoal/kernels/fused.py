@@ -194,6 +194,7 @@ def _scatter_slots(cache: Tensor, slots: Tensor, x: Tensor) -> None:
     FP8 cache as bytes (index_copy_ / index_put_ have no float8 kernel on every device)."""
     raw = (lambda t: t.view(torch.uint8)) if cache.dtype == torch.float8_e4m3fn else (lambda t: t)
     if _paged_minor(cache):
+        # slots must be >= 0 (not checked: a check would sync with the host inside graphs)
         bs = cache.shape[1]
         raw(cache)[slots // bs, slots % bs] = raw(x.to(cache.dtype))
     else:

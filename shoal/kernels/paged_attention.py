@@ -589,7 +589,7 @@ def paged_decode_attention_triton(
         from .paged_attention_fp8 import MMA8_GROUP_MAX, is_token_minor
 
         if H // H_kv > MMA8_GROUP_MAX or q.dtype == torch.float32:
-            # the e4m3-operand kernel holds up to 8 query heads per KV head, and its split query
+            # the e4m3-operand kernel holds up to 16 query heads per KV head, and its split query
             # keeps bf16's precision, not fp32's: the widening kernel serves those calls
             mma8, cvt = False, ("q" if q.dtype == torch.float32 else "f16")
     v_minor = mma8 and is_token_minor(v_cache)
@@ -622,6 +622,8 @@ def paged_decode_attention_triton(
         block_n = _default_block_n(block_size, D)
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if mma8 and block_n < 32:  # an 8-bit MMA's K (here the tile's tokens) is at least 32
+        raise ValueError(f"block_n must be >= 32 for the e4m3-operand kernel, got {block_n}")
     if num_splits is None:
         sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 132
         num_splits = choose_num_splits(B, H_kv, block_tables.shape[1] * block_size, block_n, sms)
