@@ -105,7 +105,51 @@ def _case_prefill_minor(dev="cpu"):
     return {"checks": {"diff": ((a.float() - b.float()).abs().max().item(), 0.0)}, "flags": {}}
 
 
+def _case_stale_nan(dev="cpu"):
+    """NaN keys and values written by both writers (write_kv and the fused qk-norm/RoPE/write
+    kernel) into the slots past a sequence's context on its last page -- an earlier request's
+    stale tokens -- leave its decode attention unchanged: stored e4m3 is always finite, so the
+    whole-page value loads meet no NaN (0 x NaN would leak into the output)."""
+    from shoal.engine.attention import PagedKVCache
+    from shoal.kernels import fused as fz
+    from shoal.kernels.paged_attention import paged_decode_attention_triton
+    from shoal.model.layers import rope_table
+
+    g = torch.Generator().manual_seed(13)
+    H, Hkv, D, nb, bs, B = 8, 2, 64, 8, 16, 2
+    lens = torch.tensor([5, 21], dtype=torch.int32, device=dev)  # last pages: 5 of 16 and 5 of 16 slots
+    bt = torch.tensor([[3, 0], [6, 1]], dtype=torch.int32, device=dev)
+    clean = PagedKVCache(1, nb, bs, Hkv, D, torch.bfloat16, dev, kv_dtype="fp8", v_token_minor=True)
+    live = torch.tensor([3 * bs + t for t in range(5)] + [6 * bs + t for t in range(16)]
+                        + [1 * bs + t for t in range(5)], device=dev)
+    k = torch.randn(len(live), Hkv, D, generator=g).to(dev)
+    v = torch.randn(len(live), Hkv, D, generator=g).to(dev)
+    clean.write(0, live, k, v)
+    dirty = PagedKVCache(1, nb, bs, Hkv, D, torch.bfloat16, dev, kv_dtype="fp8", v_token_minor=True)
+    dirty.write(0, live, k, v)
+    stale = torch.tensor([3 * bs + t for t in range(5, 16)], device=dev)  # sequence 0's last page, past 5
+    nan = torch.full((len(stale), Hkv, D), float("nan"), device=dev)
+    dirty.write(0, stale, nan, nan)  # write_kv
+    # the fused writer: the slots past sequence 1's context on its last page (page 1, from 5)
+    N = 11
+    qkv = torch.full((N, (H + 2 * Hkv) * D), float("nan"), dtype=torch.bfloat16, device=dev)
+    pos = torch.arange(N, device=dev)
+    tab = rope_table(64, D, 10000.0).to(torch.bfloat16).to(dev)
+    w = torch.ones(D, dtype=torch.bfloat16, device=dev)
+    fz.qk_norm_rope_write_triton(qkv, pos, tab, w, w, 1e-6, dirty.k(0), dirty.v(0),
+                                 torch.arange(1 * bs + 5, 2 * bs, device=dev), H, Hkv, D,
+                                 k_scale=dirty.k_scale(0), v_scale=dirty.v_scale(0))
+    q = torch.randn(B, H, D, generator=g).to(torch.bfloat16).to(dev)
+    outs = [paged_decode_attention_triton(q, c.k(0), c.v(0), bt, lens, D ** -0.5, k_scale=c.k_scale(0),
+                                          v_scale=c.v_scale(0), cvt="mma8") for c in (clean, dirty)]
+    return {"checks": {"diff": ((outs[0].float() - outs[1].float()).abs().max().item(), 0.0)},
+            "flags": {"finite": bool(torch.isfinite(outs[1].float()).all()),
+                      "stale_bytes_finite": bool(torch.isfinite(dirty.v(0).float()).all()
+                                                 and torch.isfinite(dirty.k(0).float()).all())}}
+
+
 CASES = {
+    "stale_nan": _case_stale_nan,
     "write_minor": _case_write_minor,
     "prefill_minor": _case_prefill_minor,
     "g4_1split_std": lambda: _case_decode(8, 2, 1, False),
@@ -275,9 +319,10 @@ def test_gpu_mma8_graph_replay(minor):
 
 
 @gpu
-@pytest.mark.parametrize("case", ["write_minor", "prefill_minor"])
+@pytest.mark.parametrize("case", ["write_minor", "prefill_minor", "stale_nan"])
 def test_gpu_token_minor_writers_and_prefill(case):
-    res = {"write_minor": _case_write_minor, "prefill_minor": _case_prefill_minor}[case]("cuda")
+    res = {"write_minor": _case_write_minor, "prefill_minor": _case_prefill_minor,
+           "stale_nan": _case_stale_nan}[case]("cuda")
     for k, (a, b) in res["checks"].items():
         assert a <= b, (k, a, b)
     assert all(res["flags"].values()), res["flags"]

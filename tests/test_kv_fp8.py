@@ -308,9 +308,11 @@ def test_fp8_kv_cache_takes_about_half_the_bytes():
     bf16 = PagedKVCache.bytes_per_block(36, 16, 8, 128, torch.bfloat16)
     fp8 = PagedKVCache.bytes_per_block(36, 16, 8, 128, torch.bfloat16, "fp8")
     assert fp8 / bf16 == pytest.approx((128 + 4) / 256)
-    c = PagedKVCache(2, 5, 16, 8, 128, torch.bfloat16, "cpu", kv_dtype="fp8")
+    c = PagedKVCache(2, 5, 16, 8, 128, torch.bfloat16, "cpu", kv_dtype="fp8", group=4)
     assert c.nbytes == PagedKVCache.bytes_per_block(2, 16, 8, 128, torch.bfloat16, "fp8") * 5
     assert c.k(1).dtype == FP8_KV_DTYPE and c.k_scale(1).shape == (5, 16, 8)
+    with pytest.raises(ValueError, match="needs group"):  # the value layout depends on the group
+        PagedKVCache(2, 5, 16, 8, 128, torch.bfloat16, "cpu", kv_dtype="fp8")
 
 
 def test_engine_rejects_an_unknown_kv_cache_dtype(s2):

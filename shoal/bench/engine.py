@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from ..engine.audio import ChunkSchedule
 from ..engine.engine import Engine, EngineConfig
 from ..engine.request import AudioEvent, EngineRequest, FinishEvent, FramesEvent, GridSession
 from ..engine.sampling import SamplingParams
+from ..kernels import paged_attention as pa
 from .random_model import S2_IM_END, random_codec, random_dualar, random_prompt, s2_pro_config, tiny_config
 
 
@@ -215,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
                      + (" (FP8 block-scaled)" if args.quantization == "fp8" else ""),
             "kv_cache_dtype": "fp8" if engine.kv_cache_dtype is not None else args.dtype,
             "kv_cache_gib": round(engine.runner.kv.nbytes / 2**30, 2),
+            # the FP8 cache's decode-attention launch config and value layout (it sets the kernel)
+            "attn_fp8_config": pa.fp8_kv_config() if engine.kv_cache_dtype is not None else None,
+            "kv_v_token_minor": bool(engine.runner.kv.v_token_minor),
+            "env": {k: v for k, v in os.environ.items() if k.startswith("SHOAL_") and k != "SHOAL_COMMIT"},
             "kv_blocks": engine.pool.num_blocks,
             "args": vars(args),
             "audio_sms": engine.audio.sms if engine.audio is not None else None}

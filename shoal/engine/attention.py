@@ -40,13 +40,17 @@ class PagedKVCache:
     def __init__(self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device,
                  kv_dtype: torch.dtype | str | None = None, v_token_minor: bool | None = None,
-                 group: int = 1) -> None:
+                 group: int | None = None) -> None:
         kv_dtype = parse_kv_cache_dtype(kv_dtype)
         self.fp8 = kv_dtype == FP8_KV_DTYPE
         if v_token_minor is None:  # ``group``: query heads per KV head
             from ..kernels.paged_attention_fp8 import wants_token_minor
 
-            v_token_minor = self.fp8 and wants_token_minor(dtype, group)
+            if self.fp8 and group is None:
+                # the value layout depends on which kernel reads the cache, and that on the group
+                raise ValueError("an FP8 KV cache needs group (query heads per KV head) or an explicit v_token_minor")
+
+            v_token_minor = self.fp8 and wants_token_minor(dtype, group or 1)
         if v_token_minor and not self.fp8:
             raise ValueError("a token-minor value layout is for an FP8 KV cache")
         self.v_token_minor = bool(v_token_minor)

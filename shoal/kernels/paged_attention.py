@@ -561,11 +561,12 @@ def paged_decode_attention_triton(
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
 
-    ``fused_reduce`` (default ``SHOAL_ATTN_FUSED_REDUCE=1``; off: slower on an H200, docs/benchmarks.md): with
+    ``fused_reduce`` (default: on with ``SHOAL_ATTN_FUSED_REDUCE=1``, else off, as it is slower on an H200, docs/benchmarks.md): with
     several splits, the last split of each (sequence, KV head) merges them (per-pair arrival
     counters) instead of a second kernel -- the same arithmetic, so the same bits when the split
     kernel runs the reduce kernel's 4 warps (the default; other warp counts may sum the splits
-    in another order).
+    in another order). The e4m3-operand kernel (FP8 cache, ``cvt`` "mma8") always uses the
+    reduce kernel: ``fused_reduce`` does not apply to it.
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
@@ -579,9 +580,6 @@ def paged_decode_attention_triton(
         raise RuntimeError("triton is not installed")
     B, H, D, H_kv = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     kv_fp8 = k_scale is not None
-    if kv_fp8 and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1) and not (
-            (cvt if cvt is not None else fp8_kv_config()["cvt"]) == "mma8"):
-        raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     if D not in (32, 64, 128):
         raise ValueError(f"head_dim {D} not supported by the Triton kernel (32, 64 or 128)")
     mma8 = kv_fp8 and (cvt if cvt is not None else fp8_kv_config()["cvt"]) == "mma8"
@@ -592,6 +590,10 @@ def paged_decode_attention_triton(
             # the e4m3-operand kernel holds up to 16 query heads per KV head, and its split query
             # keeps bf16's precision, not fp32's: the widening kernel serves those calls
             mma8, cvt = False, ("q" if q.dtype == torch.float32 else "f16")
+    if kv_fp8 and not mma8 and (k_scale.stride(-1) != 1 or v_scale.stride(-1) != 1):
+        # the widening kernel reads the scales with unit stride (decided after the fallback, so
+        # a call meant for the e4m3-operand kernel that falls back is checked too)
+        raise ValueError("k_scale/v_scale must be contiguous in the head dimension")
     v_minor = mma8 and is_token_minor(v_cache)
     if k_cache.stride(-1) != 1 or (v_cache.stride(-1) != 1 and not v_minor):
         raise ValueError("k_cache/v_cache must be contiguous in the last (head_dim) dimension"

@@ -56,7 +56,13 @@ def mma8_slots(group: int) -> int:
     ``SHOAL_ATTN_MMA8_SLOTS`` raises the floor, e.g. 16)."""
     import os
 
-    floor = int(os.environ.get(SLOTS_ENV, "8"))
+    raw = os.environ.get(SLOTS_ENV, "8")
+    try:
+        floor = int(raw)
+    except ValueError:
+        floor = 0
+    if floor not in (8, 16):
+        raise ValueError(f"{SLOTS_ENV} must be 8 or 16, got {raw!r}")
     return max(floor, 1 << max(0, (int(group) - 1).bit_length()))
 
 
