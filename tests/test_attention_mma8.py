@@ -31,13 +31,12 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _case_decode(H, Hkv, splits, minor, dev="cpu", D=64, B=4, block_n=64, lens=(1, 17, 64, 150)):
+def _case_decode(H, Hkv, splits, minor, dev="cpu", D=64, B=4, block_n=64, lens=(1, 17, 64, 150), bs=16):
     """mma8 against the reference: a bf16 output's rounding away, and no worse than 1.25x the
     widening kernel's error (both read the same e4m3 K / V)."""
     from shoal.kernels.paged_attention import paged_decode_attention_ref, paged_decode_attention_triton
 
-    g = torch.Generator().manual_seed(H * 31 + Hkv + splits + 7 * minor)
-    bs = 16
+    g = torch.Generator().manual_seed(H * 31 + Hkv + splits + 7 * minor + bs)
     nb = max(48, B * -(-max(lens) // bs))
     k8, v8, ks, vs = _cache(g, nb, bs, Hkv, D, dev, minor)
     q = (torch.randn(B, H, D, generator=g) * 3).to(torch.bfloat16).to(dev)
@@ -56,7 +55,19 @@ def _case_decode(H, Hkv, splits, minor, dev="cpu", D=64, B=4, block_n=64, lens=(
     old = paged_decode_attention_triton(q, k8, v_std, bt, cl, D ** -0.5, k_scale=ks, v_scale=vs, cvt="f16",
                                         num_splits=splits, block_n=block_n)
     e_old = _rel(old, ref)
-    return {"checks": {"rel_err": (e_new, 8e-3), "vs_widening": (e_new, 1.25 * e_old + 1e-4)}, "flags": flags}
+    checks = {"rel_err": (e_new, 8e-3), "vs_widening": (e_new, 1.25 * e_old + 1e-4)}
+    if minor and bs in (32, 64, 128):
+        # pages of 32-128 tokens: the TMA path (a page per tile) and the pointer gather (the
+        # same tile) agree to the last bit; empty splits and whole stale pages included
+        from shoal.kernels.paged_attention_fp8 import tma_descriptors
+
+        flags["tma_applies"] = tma_descriptors(k8, v8) is not None
+        a = paged_decode_attention_triton(q, k8, v8, bt, cl, D ** -0.5, k_scale=ks, v_scale=vs, cvt="mma8",
+                                          num_splits=splits, tma=True)
+        b = paged_decode_attention_triton(q, k8, v8, bt, cl, D ** -0.5, k_scale=ks, v_scale=vs, cvt="mma8",
+                                          num_splits=splits, block_n=bs, tma=False)
+        checks["tma_vs_gather"] = ((a.float() - b.float()).abs().max().item(), 0.0)
+    return {"checks": checks, "flags": flags}
 
 
 def _case_write_minor(dev="cpu"):
@@ -160,6 +171,8 @@ CASES = {
     "g8_std_bn128": lambda: _case_decode(16, 2, 1, False, block_n=128),
     "g8_minor_bn32": lambda: _case_decode(16, 2, 2, True, block_n=32),
     "g16_minor": lambda: _case_decode(16, 1, 1, True),
+    "g4_minor_bs64_tma": lambda: _case_decode(8, 2, 1, True, bs=64, block_n=64),
+    "g4_minor_bs32_tma_3splits": lambda: _case_decode(8, 2, 3, True, bs=32, block_n=32),
 }
 
 if __name__ == "__main__":  # child process: TRITON_INTERPRET=1
@@ -283,9 +296,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @gpu
 @pytest.mark.parametrize("minor", [False, True])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_gpu_mma8_at_s2_pro_sizes(minor, splits):
+@pytest.mark.parametrize("bs", [16, 64])
+def test_gpu_mma8_at_s2_pro_sizes(minor, splits, bs):
     res = _case_decode(32, 8, splits, minor, dev="cuda", D=128, B=6, block_n=64,
-                       lens=(1, 15, 16, 333, 1000, 1024))
+                       lens=(1, 15, 16, 333, 1000, 1024), bs=bs)
     for k, (a, b) in res["checks"].items():
         assert a <= b, (k, a, b)
     assert all(res["flags"].values())

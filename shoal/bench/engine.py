@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audio", action="store_true", help="stream audio through the (random, real-size) codec")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per engine step")
+    p.add_argument("--block-size", type=int, default=None, help="KV-cache page size in tokens (default: the engine's)")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro",
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, S2_IM_END, codec=codec, config=EngineConfig(
         max_running=args.max_running, num_blocks=None if dev.type == "cuda" else 2048, cuda_graphs=not args.no_graphs, max_seq_len=4096,
         prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms,
+        **({"block_size": args.block_size} if args.block_size else {}),
         kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
         audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
     t = time.perf_counter()
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "kv_v_token_minor": bool(engine.runner.kv.v_token_minor),
             "env": {k: v for k, v in os.environ.items() if k.startswith("SHOAL_") and k != "SHOAL_COMMIT"},
             "kv_blocks": engine.pool.num_blocks,
+            "kv_block_size": engine.pool.block_size,
             "args": vars(args),
             "audio_sms": engine.audio.sms if engine.audio is not None else None}
     results = []

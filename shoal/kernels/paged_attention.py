@@ -517,8 +517,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 # split count). The best of ``shoal.bench.kernels_attention --fp8-sweep`` on an H200
 # (2026-12-02, B 1-128 x 512-4k: "mma8" 1.1-1.3x faster than the widening kernel's best in
 # every cell); SHOAL_ATTN_FP8_CONFIG="key=value,..." overrides them ("cvt=f16,block_n=128":
-# the widening kernel's own best, and the standard value layout).
-FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "mma8", "split_mult": 1}
+# the widening kernel's own best, and the standard value layout). ``tma``: with "mma8" on pages of
+# 32-128 tokens, one page per tile read as two tensor-descriptor boxes (``block_n`` becomes the
+# page size; H200, 64-token pages: 0.72-0.87x the pointer gather's time, docs/benchmarks.md).
+FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "mma8", "split_mult": 1, "tma": 1}
 
 
 def fp8_kv_config() -> dict:
@@ -557,6 +559,7 @@ def paged_decode_attention_triton(
     num_stages: Optional[int] = None,
     cvt: Optional[str] = None,
     fused_reduce: Optional[bool] = None,
+    tma: Optional[bool] = None,
 ):
     """Run the Triton kernels: compiled (CUDA tensors), or interpreted (any device) when
     Triton was imported with ``TRITON_INTERPRET=1``.
@@ -566,7 +569,9 @@ def paged_decode_attention_triton(
     counters) instead of a second kernel -- the same arithmetic, so the same bits when the split
     kernel runs the reduce kernel's 4 warps (the default; other warp counts may sum the splits
     in another order). The e4m3-operand kernel (FP8 cache, ``cvt`` "mma8") always uses the
-    reduce kernel: ``fused_reduce`` does not apply to it.
+    reduce kernel: ``fused_reduce`` does not apply to it. ``tma`` (default: the FP8 config's
+    ``tma``): that kernel reads a token-minor cache with pages of 32-128 tokens a page per tile
+    through tensor descriptors (when ``block_n`` is unset or the page size).
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
@@ -609,6 +614,7 @@ def paged_decode_attention_triton(
     group = H // H_kv
     group_pad = max(16, _next_pow2(group))
     split_mult = 1
+    block_n_arg = block_n
     if kv_fp8:
         fc = fp8_kv_config()
         block_n = fc["block_n"] if block_n is None else block_n
@@ -618,6 +624,13 @@ def paged_decode_attention_triton(
         split_mult = fc["split_mult"]
         if cvt not in ("f16", "q", "mma8"):
             raise ValueError(f"cvt must be 'f16', 'q' or 'mma8', got {cvt!r}")
+    descs = None
+    if mma8 and (fc["tma"] if tma is None else tma) and (block_n_arg is None or block_n_arg == block_size):
+        from .paged_attention_fp8 import tma_descriptors
+
+        descs = tma_descriptors(k_cache, v_cache)  # pages of 32-128 tokens: one page per tile
+        if descs is not None:
+            block_n = block_size
     num_warps = 4 if num_warps is None else num_warps
     num_stages = 2 if num_stages is None else num_stages
     if block_n is None:
@@ -661,13 +674,14 @@ def paged_decode_attention_triton(
         from .paged_attention_fp8 import mma8_kernel, mma8_slots
 
         mma8_kernel(bool(interpret))[(H_kv, B, num_splits)](
-            q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, partial_o, partial_lse,
+            q, *(descs if descs is not None else (k_cache, v_cache)), k_scale, v_scale, block_tables, context_lens, out, partial_o, partial_lse,
             float(scale) * _LOG2E, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
             *p_strides, GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-            V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), num_warps=num_warps, num_stages=num_stages, **pdl)
+            V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), TMA=descs is not None, H_KV=H_kv,
+            num_warps=num_warps, num_stages=num_stages, **pdl)
     elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)
 

@@ -45,7 +45,7 @@ import torch
 
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
-__all__ = ["MMA8_GROUP_MAX", "mma8_slots", "token_minor_like", "is_token_minor", "wants_token_minor"]
+__all__ = ["MMA8_GROUP_MAX", "TMA_PAGE_SIZES", "mma8_slots", "tma_descriptors", "token_minor_like", "is_token_minor", "wants_token_minor"]
 
 MMA8_GROUP_MAX = 16  # query heads per KV head (the MMAs' N axis); larger groups use the widening kernel
 SLOTS_ENV = "SHOAL_ATTN_MMA8_SLOTS"  # the smallest N of the kernel's MMAs (8, or 16)
@@ -86,6 +86,32 @@ def is_token_minor(cache: torch.Tensor) -> bool:
     """True for a ``[num_blocks, block_size, H_kv, D]`` cache stored token-minor."""
     nb, bs, hkv, d = cache.shape
     return cache.stride() == (hkv * d * bs, 1, d * bs, bs)
+
+
+TMA_PAGE_SIZES = (32, 64, 128)  # pages whose tiles the kernel reads as tensor-descriptor boxes
+_DESCRIPTORS: dict = {}
+
+
+def tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """``(k_desc, v_desc)``: tensor descriptors of one layer's FP8 cache for the kernel's TMA
+    path (a page per tile), or None where it does not apply: values not token-minor, a page size
+    outside :data:`TMA_PAGE_SIZES`, keys not in the standard contiguous layout, or a base not
+    16-byte aligned. Cached per (address, shape): a descriptor holds only those."""
+    nb, bs, hkv, d = k_cache.shape
+    if (bs not in TMA_PAGE_SIZES or not is_token_minor(v_cache) or k_cache.stride() != (bs * hkv * d, hkv * d, d, 1)
+            or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
+        return None
+    key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape), str(k_cache.device))
+    hit = _DESCRIPTORS.get(key)
+    if hit is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if len(_DESCRIPTORS) > 4096:
+            _DESCRIPTORS.clear()
+        v_raw = v_cache.permute(0, 2, 3, 1)  # the storage order [num_blocks, H_kv, D, block_size]
+        hit = _DESCRIPTORS[key] = (TensorDescriptor.from_tensor(k_cache.view(nb * bs, hkv * d), [bs, d]),
+                                   TensorDescriptor.from_tensor(v_raw.reshape(nb * hkv * d, bs), [d, bs]))
+    return hit
 
 
 if HAS_TRITON:
@@ -159,7 +185,13 @@ if HAS_TRITON:
         V_TOKEN_MINOR: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
         PDL: tl.constexpr = False,
+        TMA: tl.constexpr = False,
+        H_KV: tl.constexpr = 1,
     ):
+        # TMA (``BLOCK_N == PAGE_SIZE``, token-minor V): ``k_ptr`` / ``v_ptr`` are tensor
+        # descriptors of the layer's cache viewed 2-D -- keys ``[pages * PAGE_SIZE, H_kv * D]``
+        # in ``[PAGE_SIZE, D]`` boxes, values ``[pages * H_kv * D, PAGE_SIZE]`` in ``[D,
+        # PAGE_SIZE]`` boxes -- so a tile is two bulk copies instead of a pointer gather
         pdl_enter(PDL)
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -192,31 +224,40 @@ if HAS_TRITON:
         acc = tl.zeros([HEAD_DIM, SLOTS], dtype=tl.float32)  # O^T
 
         bt_row = bt_ptr + b * stride_btb
-        k_head = k_ptr + kvh * stride_kh
-        v_head = v_ptr + kvh * stride_vh
+        if not TMA:
+            k_head = k_ptr + kvh * stride_kh
+            v_head = v_ptr + kvh * stride_vh
         ks_head = ks_ptr + kvh * stride_sh
         vs_head = vs_ptr + kvh * stride_sh
         for tile in range(tile_lo, tile_hi):
             tok = tile * BLOCK_N + offs_n
             tok_mask = tok < ctx
-            page_mask = (tok // PAGE_SIZE) * PAGE_SIZE < ctx  # the token's page is the sequence's
-            page = tl.load(bt_row + tok // PAGE_SIZE, mask=page_mask, other=0).to(tl.int64)
-            pslot = tok % PAGE_SIZE
-            k8 = tl.load(k_head + page[:, None] * stride_kb + pslot[:, None] * stride_kt + offs_d[None, :],
-                         mask=tok_mask[:, None], other=0.0)
-            if V_TOKEN_MINOR:
-                v_ptrs = v_head + page[None, :] * stride_vb + pslot[None, :] + offs_d[:, None] * stride_vd
-                if PAGE_SIZE % 16 == 0:
-                    # runs of 16 tokens share a page: 16 contiguous, 16-byte aligned bytes
-                    v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [1, 16]), [1, 16])
-                # masked by whole pages, so the mask is constant over each 16-byte run: the slots
-                # of the last page past the context hold finite e4m3 (zeros or an earlier token's
-                # values) and meet probabilities of 0
-                v8t = tl.load(v_ptrs, mask=page_mask[None, :], other=0.0)  # [D, BLOCK_N]
+            if TMA:
+                # one page per tile, whole boxes: the slots past the context hold finite e4m3
+                # (zeros or an earlier token's values) and are masked below
+                tpage = tl.load(bt_row + tile)
+                k8 = k_ptr.load([tpage * PAGE_SIZE, kvh * HEAD_DIM])  # [BLOCK_N, D]
+                v8t = v_ptr.load([(tpage * H_KV + kvh) * HEAD_DIM, 0])  # [D, BLOCK_N]
+                s_off = tpage.to(tl.int64) * stride_sb + offs_n * stride_st
             else:
-                v8t = tl.trans(tl.load(v_head + page[:, None] * stride_vb + pslot[:, None] * stride_vt
-                                       + offs_d[None, :], mask=tok_mask[:, None], other=0.0))
-            s_off = page * stride_sb + pslot * stride_st
+                page_mask = (tok // PAGE_SIZE) * PAGE_SIZE < ctx  # the token's page is the sequence's
+                page = tl.load(bt_row + tok // PAGE_SIZE, mask=page_mask, other=0).to(tl.int64)
+                pslot = tok % PAGE_SIZE
+                k8 = tl.load(k_head + page[:, None] * stride_kb + pslot[:, None] * stride_kt + offs_d[None, :],
+                             mask=tok_mask[:, None], other=0.0)
+                if V_TOKEN_MINOR:
+                    v_ptrs = v_head + page[None, :] * stride_vb + pslot[None, :] + offs_d[:, None] * stride_vd
+                    if PAGE_SIZE % 16 == 0:
+                        # runs of 16 tokens share a page: 16 contiguous, 16-byte aligned bytes
+                        v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [1, 16]), [1, 16])
+                    # masked by whole pages, so the mask is constant over each 16-byte run: the slots
+                    # of the last page past the context hold finite e4m3 (zeros or an earlier token's
+                    # values) and meet probabilities of 0
+                    v8t = tl.load(v_ptrs, mask=page_mask[None, :], other=0.0)  # [D, BLOCK_N]
+                else:
+                    v8t = tl.trans(tl.load(v_head + page[:, None] * stride_vb + pslot[:, None] * stride_vt
+                                           + offs_d[None, :], mask=tok_mask[:, None], other=0.0))
+                s_off = page * stride_sb + pslot * stride_st
             ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
             vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
 
