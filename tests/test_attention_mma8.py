@@ -254,7 +254,8 @@ def test_write_kv_into_a_token_minor_cache_equals_the_standard_layout():
         PagedKVCache(1, 2, 16, 2, 64, torch.bfloat16, "cpu", v_token_minor=True)
 
 
-def test_engine_with_a_token_minor_fp8_cache_equals_the_fp8_reference_loop(monkeypatch, tiny_s2_checkpoint):
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_engine_with_a_token_minor_fp8_cache_equals_the_fp8_reference_loop(monkeypatch, tiny_s2_checkpoint, block_size):
     """The engine (chunked prefill, the fused path) on an FP8 cache whose values are stored
     token-minor decodes exactly as the reference loop with its FP8 contiguous cache."""
     import numpy as np
@@ -276,7 +277,8 @@ def test_engine_with_a_token_minor_fp8_cache_equals_the_fp8_reference_loop(monke
                 for i in range(3)}
     try:
         eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=96, prefill_chunk=7,
-                                                               kv_cache_dtype="fp8", fused_kernels=True))
+                                                               kv_cache_dtype="fp8", fused_kernels=True,
+                                                               block_size=block_size))
         assert eng.runner.kv.v_token_minor
         for i in range(3):
             eng.add_request(EngineRequest(session=_session(tok, i, voice), params=greedy, max_new_tokens=6 + i,
