@@ -474,7 +474,7 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
               max_new_tokens: int = 1024, chunk_length: int | None = None, audio: bool = True,
               progress: bool = True, log: Callable[[str], None] | None = None,
               quantization: str | None = None, codec_dtype: str | None = "auto",
-              kv_cache_dtype: str | None = None) -> BatchSummary:
+              kv_cache_dtype: str | None = None, kv_block_size: int | None = None) -> BatchSummary:
     """Run a JSONL batch job; see the module docstring and docs/batch.md."""
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     requests = Path(requests)
@@ -484,6 +484,8 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
         raise BatchError("--max-new-tokens must be >= 0")
     if chunk_length is not None and chunk_length < 1:
         raise BatchError("--chunk-length must be >= 1")
+    if kv_block_size is not None and kv_block_size < 1:
+        raise BatchError("--kv-block-size must be >= 1")
     lines, npy_codes = read_requests(requests)
 
     out = Path(out)
@@ -503,7 +505,7 @@ def run_batch(requests: str | Path, out: str | Path, checkpoint: str | Path | No
         _generate(requests, pending, npy_codes, out, checkpoint, summary, device=device, dtype=dtype,
                   max_running=max_running, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
                   audio=audio, progress=progress, say=say, quantization=quantization,
-                  codec_dtype=codec_dtype, kv_cache_dtype=kv_cache_dtype)
+                  codec_dtype=codec_dtype, kv_cache_dtype=kv_cache_dtype, kv_block_size=kv_block_size)
     return summary
 
 
@@ -530,7 +532,7 @@ def _reconcile_manifest(path: Path, lines: list[RequestLine], pending: list[Requ
 def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, np.ndarray], out: Path,
               checkpoint, summary: BatchSummary, *, device, dtype, max_running, max_new_tokens,
               chunk_length, audio, progress, say, quantization=None, codec_dtype=None,
-              kv_cache_dtype=None) -> None:
+              kv_cache_dtype=None, kv_block_size=None) -> None:
     from tqdm import tqdm
 
     from .checkpoint import codec_path, load_dualar, resolve_codec_dtypes, resolve_device, resolve_dtype
@@ -570,7 +572,8 @@ def _generate(requests: Path, pending: list[RequestLine], npy_codes: dict[Path, 
             bad_audio[p] = f"cannot encode reference audio {p}: {e}"
 
     engine = Engine(model, tokenizer.im_end_id, codec=None,
-                    config=EngineConfig(max_running=max_running, kv_cache_dtype=kv_cache_dtype))
+                    config=EngineConfig(max_running=max_running, kv_cache_dtype=kv_cache_dtype,
+                                                        **({"block_size": kv_block_size} if kv_block_size else {})))
 
     def session(ln: RequestLine):
         refs = [Reference(r.text, ref_codes[r.path]) for r in ln.references]
@@ -670,7 +673,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                             max_new_tokens=args.max_new_tokens, chunk_length=args.chunk_length,
                             audio=not args.no_audio, quantization=args.quantization,
                             codec_dtype=args.codec_dtype,
-                            kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype))
+                            kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
+                            kv_block_size=args.kv_block_size)
     except KeyboardInterrupt:  # before generation started (loading, encoding references)
         print("\nshoal batch: interrupted before generation started; no outputs were written",
               file=sys.stderr)
@@ -688,6 +692,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def add_batch_parser(subparsers) -> argparse.ArgumentParser:
     from .cli import add_codec_dtype_arg
+    from .quant.kv import add_kv_block_size_arg
 
     p = subparsers.add_parser(
         "batch", help="synthesize every line of a JSONL file (offline bulk jobs, resumable)",
@@ -708,6 +713,7 @@ def add_batch_parser(subparsers) -> argparse.ArgumentParser:
                    help="slow KV cache storage: auto (the model's dtype) or fp8 (docs/quantization.md); "
                         "default: env SHOAL_KV_CACHE_DTYPE, else auto")
     add_codec_dtype_arg(p)
+    add_kv_block_size_arg(p)
     p.add_argument("--max-running", type=int, default=None, metavar="N",
                    help="requests decoded together (default: 128 on CUDA, 16 on CPU)")
     p.add_argument("--max-new-tokens", type=int, default=1024, metavar="N",

@@ -116,6 +116,17 @@ def test_s2_job_equals_the_reference_loop_per_line(s2_job, tiny_s2_checkpoint, a
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_kv_block_size_changes_nothing_but_the_pages(s2_job, tiny_s2_checkpoint, tmp_path, capsys):
+    """``--kv-block-size 64``: the same codes as the job on 16-token pages; 0 is a clean error."""
+    jsonl, out = s2_job
+    assert _run(jsonl, tmp_path / "bs64", tiny_s2_checkpoint, "--max-running", "3", "--kv-block-size", "64") == 0
+    for rid in S2_IDS:
+        assert np.array_equal(np.load(tmp_path / "bs64" / f"{rid}.npy"), np.load(out / f"{rid}.npy")), rid
+    capsys.readouterr()
+    assert _run(jsonl, tmp_path / "bs0", tiny_s2_checkpoint, "--kv-block-size", "0") == 2
+    assert "--kv-block-size must be >= 1" in capsys.readouterr().err
+
+
 def test_resume_regenerates_only_missing_outputs(s2_job, tiny_s2_checkpoint, capsys):
     jsonl, out = s2_job
     before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.glob("*.[nw][pa][yv]")}

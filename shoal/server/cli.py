@@ -22,6 +22,7 @@ RANDOM_MODEL_DEFAULT_CAP = 300  # frames per request when --random-model runs wi
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from ..cli import add_codec_dtype_arg
+    from ..quant.kv import add_kv_block_size_arg
 
     p = subparsers.add_parser(
         "serve", help="run the HTTP server (Fish /v1/tts, OpenAI /v1/audio/speech)",
@@ -46,6 +47,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "token and KV head: half the bytes, twice the tokens per GiB; checked by "
                         "`shoal gate correctness --kv-cache-dtype fp8`); default: env "
                         "SHOAL_KV_CACHE_DTYPE, else auto; docs/quantization.md")
+    add_kv_block_size_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -109,7 +111,8 @@ def _load_checkpoint_service(args: argparse.Namespace):
                            max_running=args.max_running, max_seq_len=args.max_seq_len,
                            quantization=args.quantization, codec_dtype=args.codec_dtype,
                            prefill_chunk=args.prefill_chunk,
-                           kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype))
+                           kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
+                           kv_block_size=args.kv_block_size)
 
 
 def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
@@ -127,7 +130,8 @@ def _load_random_service(args: argparse.Namespace, frames_cap: int | None):
     service = TTSService.from_tts(tts, max_running=args.max_running, max_seq_len=args.max_seq_len,
                                   model_name=f"random {args.random_model}", random_weights=True,
                                   prefill_chunk=args.prefill_chunk,
-                                  kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype))
+                                  kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
+                                  kv_block_size=args.kv_block_size)
     cdt = service.codec_dtype or {}
     log.warning("RANDOM WEIGHTS, BENCHMARK ONLY: %s shapes (DualAR %.2fB parameters %s, codec %.0fM "
                 "parameters, decode %s / encode %s) built on %s in %.1f s; the audio is noise; "

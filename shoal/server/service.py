@@ -169,25 +169,27 @@ class TTSService:
              max_running: int | None = None, max_seq_len: int | None = None,
              resolver: VoiceResolver | None = None, quantization: str | None = None,
              codec_dtype: str | None = None, prefill_chunk: int | None = None,
-             kv_cache_dtype: str | None = None) -> TTSService:
+             kv_cache_dtype: str | None = None, kv_block_size: int | None = None) -> TTSService:
         tts = TTS.load(checkpoint, device=device, dtype=dtype, quantization=quantization,
                        codec_dtype=codec_dtype)
         return cls.from_tts(tts, max_running=max_running, max_seq_len=max_seq_len, resolver=resolver,
                             model_name=str(checkpoint), prefill_chunk=prefill_chunk,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype, kv_block_size=kv_block_size)
 
     @classmethod
     def from_tts(cls, tts: TTS, *, max_running: int | None = None, max_seq_len: int | None = None,
                  resolver: VoiceResolver | None = None, model_name: str = "",
                  random_weights: bool = False, prefill_chunk: int | None = None,
-                 kv_cache_dtype: str | None = None) -> TTSService:
+                 kv_cache_dtype: str | None = None, kv_block_size: int | None = None) -> TTSService:
         """A service over a model bundle already in memory (e.g. ``shoal.bench.random_tts``).
-        ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (docs/quantization.md)."""
+        ``kv_cache_dtype``: "auto" (the model's dtype) or "fp8" (docs/quantization.md);
+        ``kv_block_size``: the KV-cache page size in tokens (default: the engine's)."""
         if prefill_chunk is not None and prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16 tokens, got {prefill_chunk}")
         config = EngineConfig(max_running=max_running, max_seq_len=max_seq_len,
                               audio_schedule=LATENCY_SCHEDULES[DEFAULT_LATENCY], kv_cache_dtype=kv_cache_dtype,
-                              **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}))
+                              **({"prefill_chunk": prefill_chunk} if prefill_chunk else {}),
+                              **({"block_size": kv_block_size} if kv_block_size else {}))
         engine = Engine(tts.model, tts.tokenizer.im_end_id, codec=tts.codec, config=config)
         return cls(tts, AsyncEngine(engine), resolver=resolver, model_name=model_name,
                    random_weights=random_weights)
