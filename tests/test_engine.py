@@ -95,6 +95,46 @@ def test_prefix_cache_hits_for_a_shared_voice(s2, voice):
     assert np.array_equal(done["second"].codes, solo(model, tok, 3, voice, GREEDY, 0, 3))
 
 
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[1], b.shape[1])
+    same = (a[:, :n] == b[:, :n]).all(axis=0)
+    return n if same.all() else int(np.argmin(same))
+
+
+@pytest.mark.parametrize("block_size,prefill_chunk,partial", [(16, 1024, True), (64, 1024, True),
+                                                              (64, 5, True), (64, 1024, False)])
+def test_prefix_hits_to_the_token_copy_the_partial_page(s2, voice, block_size, prefill_chunk, partial):
+    """A second request sharing a voice prompt that ends mid-page: with partial copies every
+    shared column is a hit (the page's K/V copied), without only whole pages; the codes (greedy
+    and seeded sampled, chunked prefill starting mid-page) equal the reference loop's either way."""
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(
+        max_running=3, num_blocks=64, block_size=block_size, prefill_chunk=prefill_chunk,
+        prefix_copy_partial=partial))
+    g1, g3 = session(tok, 1, voice).grid(), session(tok, 3, voice).grid()
+    shared = _common_prefix(g1, g3)
+    # copies come from registered (full) pages: the first request generates past the end of
+    # the page the shared part ends in (its columns there are its own, not the second's)
+    fill = -(-shared // block_size) * block_size - g1.shape[1] + 2
+    eng.add_request(EngineRequest(session=session(tok, 1, voice), params=GREEDY, ignore_eos=True,
+                                  max_new_tokens=max(3, fill), request_id="first"))
+    run(eng)
+    assert shared % block_size and shared < g3.shape[1] - 1  # the shared part ends mid-page
+    before, copied = eng.pool.hit_tokens, eng.pool.copied_tokens
+    for rid, params, seed in (("greedy", GREEDY, 0), ("sampled", SAMPLED, 7)):
+        eng.add_request(EngineRequest(session=session(tok, 3, voice), params=params, seed=seed,
+                                      max_new_tokens=4, request_id=rid))
+    done, _ = run(eng)
+    per_request = shared if partial else shared - shared % block_size
+    # the second of the two also hits the first's pages (and its own copy's successors)
+    assert eng.pool.hit_tokens - before >= 2 * per_request
+    assert (eng.pool.copied_tokens > copied) == partial
+    assert np.array_equal(done["greedy"].codes, solo(model, tok, 3, voice, GREEDY, 0, 4))
+    assert np.array_equal(done["sampled"].codes, solo(model, tok, 3, voice, SAMPLED, 7, 4))
+    assert eng.pool.num_used == 0
+    eng.pool.check_invariants()
+
+
 def test_preemption_under_memory_pressure_keeps_outputs_exact(s2, voice):
     model, tok, _ = s2
     # 12 blocks of 16 tokens cannot hold 4 growing sequences: requests get preempted and resumed

@@ -31,6 +31,7 @@ def cat(*parts: np.ndarray) -> np.ndarray:
 def prefill(pool: BlockPool, sid, g: np.ndarray) -> PrefixMatch:
     """Allocate a prompt and commit everything after the cached part (as a runner would)."""
     m = pool.allocate_prompt(sid, g)
+    pool.take_copies()  # (a runner executes them here)
     pool.commit_tokens(sid, g[:, m.num_cached_tokens:])
     pool.check_invariants()
     return m
@@ -388,21 +389,23 @@ def test_behaviour_independent_of_python_hash_seed():
 
 # ---------------------------------------------------------------------- randomized stress
 
+@pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("num_blocks,seed", [(24, 0), (48, 1), (1000, 2)])
-def test_randomized_stress(num_blocks, seed):
+def test_randomized_stress(num_blocks, seed, partial):
     """Random allocate / chunked prefill / decode / free / reset against invariants and a
     shadow KV store: a cache hit must hand out blocks whose written content equals the prompt,
     no sequence may write into a shared block, and (while nothing was evicted) every committed
-    full-block prefix must hit."""
+    full-block prefix must hit. With partial-block copies, the queued copies are executed on the
+    shadow in order, and every cached column (copied ones included) must hold the prompt's."""
     rng = np.random.default_rng(seed)
     bs = 4
-    pool = BlockPool(num_blocks, bs)
+    pool = BlockPool(num_blocks, bs, copy_partial=partial)
     shadow = np.full((num_blocks, ROWS, bs), -1, dtype=np.int64)  # "KV" written per slot
     bases = [rng.integers(0, 3, (ROWS, 64)) for _ in range(3)]  # tiny alphabet: many shared blocks
     seqs: dict[int, dict] = {}  # sid -> {"cols": full grid so far, "written": n}
     committed_prefixes: set[bytes] = set()  # column bytes of every committed full-block prefix
     next_id = 0
-    hits = 0
+    hits = copied = 0
 
     def write(sid: int, upto: int) -> None:
         st = seqs[sid]
@@ -445,10 +448,17 @@ def test_randomized_stress(num_blocks, seed):
                 del seqs[victim]
                 continue
             c = m.num_cached_tokens
-            assert c % bs == 0 and c < g.shape[1]
-            assert c == want if pool.evicted_blocks == 0 else c <= want
-            for i in range(c // bs):  # cached blocks hold exactly this prompt's columns
-                assert (shadow[m.block_table[i]] == g[:, i * bs:(i + 1) * bs]).all()
+            for src, dst in pool.take_copies():  # what the runner does before the next forward
+                assert partial and src != dst or src == dst
+                shadow[dst] = shadow[src].copy()
+            full = c - m.copied_tokens
+            assert full % bs == 0 and c < g.shape[1] and 0 <= m.copied_tokens < bs
+            assert full == want if pool.evicted_blocks == 0 else full <= want
+            if not partial:
+                assert m.copied_tokens == 0
+            for i in range(c):  # cached columns hold exactly this prompt's columns
+                assert (shadow[m.block_table[i // bs], :, i % bs] == g[:, i]).all()
+            copied += m.copied_tokens
             hits += c
             seqs[next_id] = {"cols": g, "written": c}
             if rng.random() < 0.7:  # prefill some or all of it now
@@ -486,3 +496,90 @@ def test_randomized_stress(num_blocks, seed):
     assert pool.num_free == num_blocks and pool.num_used == 0
     assert pool.hit_tokens == hits and hits > 0
     assert pool.queried_tokens >= pool.hit_tokens
+    assert pool.copied_tokens == copied and (copied > 0) == partial
+
+
+# ---------------------------------------------------------------------- partial-block copies
+
+def test_partial_block_hit_copies_the_cached_block():
+    pool = BlockPool(32, BS, copy_partial=True)
+    voice = grid(10, seed=20)  # a shared prompt ending mid-block (2 full blocks + 2 columns)
+    a = prefill(pool, "a", cat(voice, grid(7, seed=21)))
+    assert a.copied_tokens == 0  # nothing to copy from yet
+    q = cat(voice, grid(6, seed=22))
+    assert pool.peek_prefix(q) == 10
+    b = pool.allocate_prompt("b", q)
+    assert (b.num_cached_tokens, b.copied_tokens) == (10, 2)
+    assert b.block_table[:2] == a.block_table[:2]  # full blocks shared
+    assert b.block_table[2] not in a.block_table  # the partial block is b's own copy
+    assert pool.take_copies() == [(a.block_table[2], b.block_table[2])]
+    assert pool.take_copies() == []  # taken once
+    assert pool.num_committed("b") == 10 and pool.copied_tokens == 2
+    pool.check_invariants()
+    pool.commit_tokens("b", q[:, 10:])
+    pool.check_invariants()
+    # b's copied block became full with b's own columns: it is a new child of the same parent
+    c = pool.allocate_prompt("c", cat(q[:, :13], grid(2, seed=23)))
+    assert (c.num_cached_tokens, c.copied_tokens) == (13, 1)
+    assert pool.take_copies() == [(b.block_table[3], c.block_table[3])]
+    pool.check_invariants()
+
+
+def test_partial_hit_picks_the_longest_child_and_leaves_the_last_token():
+    pool = BlockPool(64, BS, copy_partial=True)
+    base = grid(4, seed=30)
+    x = grid(BS, seed=31)
+    one = x.copy(); one[3, 1] += 1  # shares 1 column with x
+    three = x.copy(); three[0, 3] += 1  # shares 3 columns with x
+    for sid, blk in (("one", one), ("three", three)):
+        prefill(pool, sid, cat(base, blk, grid(1, seed=32)))
+    m = pool.allocate_prompt("q", cat(base, x, grid(2, seed=33)))
+    assert (m.num_cached_tokens, m.copied_tokens) == (7, 3)
+    assert pool.take_copies() == [(pool.block_table("three")[1], m.block_table[1])]
+    # the prompt's last column is never taken from the cache, copied or not
+    m = pool.allocate_prompt("r", cat(base, three[:, :3]))
+    assert (m.num_cached_tokens, m.copied_tokens) == (6, 2)
+    pool.take_copies()
+    # no shared leading column: no copy
+    other = x.copy(); other[5, 0] += 1; other[0, 0] += 1
+    m = pool.allocate_prompt("s", cat(base, other, grid(1, seed=34)))
+    assert (m.num_cached_tokens, m.copied_tokens) == (4, 0) and pool.take_copies() == []
+    pool.check_invariants()
+
+
+def test_partial_copies_off_by_default_and_with_the_prefix_cache_off():
+    for pool in (BlockPool(32, BS), BlockPool(32, BS, enable_prefix_cache=False, copy_partial=True)):
+        voice = grid(10, seed=40)
+        prefill(pool, "a", cat(voice, grid(3, seed=41)))
+        m = pool.allocate_prompt("b", cat(voice, grid(3, seed=42)))
+        assert m.copied_tokens == 0 and pool.take_copies() == [] and pool.copied_tokens == 0
+        assert m.num_cached_tokens == (8 if pool.enable_prefix_cache else 0)
+
+
+def test_partial_source_evicted_in_the_same_step_is_copied_first():
+    """The source of a queued copy may be an evictable block that a later allocation reclaims;
+    executing the copies in order (before the forward that writes it) still copies its old K/V."""
+    pool = BlockPool(4, BS, copy_partial=True)
+    voice = grid(6, seed=50)
+    a = prefill(pool, "a", cat(voice, grid(3, seed=51)))  # blocks: 2 full (cached) + 1
+    pool.free("a")  # everything evictable or free
+    src = a.block_table[1]
+    m = pool.allocate_prompt("b", cat(voice[:, :6], grid(1, seed=52)))  # shares block 0 + 2 columns
+    assert (m.num_cached_tokens, m.copied_tokens) == (6, 2)
+    # b holds block 0 and its fresh copy; c takes the 2 remaining blocks, evicting src
+    pool.allocate_prompt("c", grid(8, seed=53))
+    assert pool.evicted_blocks >= 1 and src in pool.block_table("c")
+    copies = pool.take_copies()
+    assert copies == [(src, m.block_table[1])]
+    pool.check_invariants()
+
+
+def test_partial_index_forgets_reset_and_evicted_blocks():
+    pool = BlockPool(8, BS, copy_partial=True)
+    voice = grid(6, seed=60)
+    prefill(pool, "a", cat(voice, grid(3, seed=61)))
+    pool.free("a")
+    pool.reset_prefix_cache()
+    pool.check_invariants()
+    m = pool.allocate_prompt("b", cat(voice, grid(1, seed=62)))
+    assert m.num_cached_tokens == 0 and pool.take_copies() == []

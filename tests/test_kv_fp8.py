@@ -283,7 +283,9 @@ def test_engine_with_fp8_kv_equals_the_fp8_reference_loop(s2, prefill_chunk, fus
     assert eng.pool.num_used == 0
 
 
-def test_fp8_kv_prefix_hit_equals_a_cold_prefill(s2):
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_fp8_kv_prefix_hit_equals_a_cold_prefill(s2, block_size):
+    """Whole-page hits and the partial page's copy (codes, scales) decode as a cold prefill."""
     from shoal.engine.engine import Engine, EngineConfig
     from shoal.engine.generate import generate
     from shoal.engine.request import EngineRequest, FinishEvent
@@ -291,12 +293,21 @@ def test_fp8_kv_prefix_hit_equals_a_cold_prefill(s2):
 
     model, tok = s2
     voice = np.random.default_rng(5).integers(0, 1024, size=(10, 48))
-    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64, kv_cache_dtype="fp8"))
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=64, kv_cache_dtype="fp8",
+                                                           block_size=block_size))
     g = SamplingParams(greedy=True)
-    for rid, i in (("first", 1), ("second", 3)):
-        eng.add_request(EngineRequest(session=_session(tok, i, voice), params=g, max_new_tokens=4, request_id=rid))
+    g1, g3 = _session(tok, 1, voice).grid(), _session(tok, 3, voice).grid()
+    n = min(g1.shape[1], g3.shape[1])
+    same = (g1[:, :n] == g3[:, :n]).all(axis=0)
+    shared = int(np.argmin(same))
+    assert shared % block_size
+    # the first request fills the page its shared part ends in, so that page is registered
+    first = max(4, -(-shared // block_size) * block_size - g1.shape[1] + 2)
+    for rid, i, k in (("first", 1, first), ("second", 3, 4)):
+        eng.add_request(EngineRequest(session=_session(tok, i, voice), params=g, max_new_tokens=k,
+                                      ignore_eos=rid == "first", request_id=rid))
         done = {e.request_id: e for e in eng.run_until_done() if isinstance(e, FinishEvent)}
-    assert eng.pool.hit_tokens >= 32
+    assert eng.pool.hit_tokens == shared and eng.pool.copied_tokens == shared % block_size
     with fp8_reference(model):
         want = generate(model, _session(tok, 3, voice).grid(), g, tok.im_end_id, 4).codes
     assert np.array_equal(done["second"].codes, want)

@@ -95,6 +95,31 @@ class PagedKVCache:
         """k/v [N, H_kv, D] into flat slots [N] (block * block_size + offset)."""
         write_kv(self.k(layer), self.v(layer), slots, k, v, self.k_scale(layer), self.v_scale(layer))
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` (every layer: K, V and an FP8 cache's scales) with the
+        semantics of doing the pairs in order: sources are read before any destination is
+        written, and of several copies to one destination the last wins. (A destination is
+        never the source of a later pair: a copy's destination is a fresh, unregistered block.)"""
+        if not copies:
+            return
+        last: dict[int, int] = {}
+        for src, dst in copies:
+            last.pop(dst, None)
+            last[dst] = src
+        dev = self.k(0).device  # index uploads without a host sync, as the block tables'
+        src = torch.tensor(list(last.values()), dtype=torch.long).to(dev, non_blocking=True)
+        dst = torch.tensor(list(last.keys()), dtype=torch.long).to(dev, non_blocking=True)
+        def raw(t: Tensor) -> Tensor:  # e4m3 has no index kernels on every backend: copy bytes
+            return t.view(torch.uint8) if t.element_size() == 1 else t
+
+        if self.data is not None:
+            raw(self.data).index_copy_(2, dst, raw(self.data).index_select(2, src))
+        else:
+            raw(self.k_data).index_copy_(1, dst, raw(self.k_data).index_select(1, src))
+            raw(self.v_data).index_copy_(1, dst, raw(self.v_data).index_select(1, src))
+        if self.scales is not None:
+            self.scales.index_copy_(2, dst, self.scales.index_select(2, src))
+
     @property
     def nbytes(self) -> int:
         if self.data is None:

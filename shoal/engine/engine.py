@@ -47,6 +47,9 @@ class EngineConfig:
     # one Triton kernel per S2 draw (default: on CUDA; env SHOAL_FUSED_SAMPLING=0 turns it off)
     fused_sampling: bool | None = None
     enable_prefix_cache: bool = True
+    # a prompt that shares only the first columns of a cached page gets a copy of that page's
+    # K/V and skips those columns (prefix hits to the token, not to the page)
+    prefix_copy_partial: bool = True
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     audio_thread: bool | None = None  # codec on its own thread/stream (default: on CUDA)
@@ -158,7 +161,8 @@ class Engine:
                 streamer.warmup()
         self.kv_cache_dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
-        self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache)
+        self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache,
+                              copy_partial=cfg.prefix_copy_partial)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
             max_slots=max_running, num_blocks=num_blocks, block_size=cfg.block_size,
             max_blocks_per_seq=max_blocks_per_seq, cuda_graphs=cfg.cuda_graphs and on_cuda,
@@ -373,6 +377,9 @@ class Engine:
         for req in [r for r in self.requests.values() if r.cancelled]:
             self._finish(req, "cancelled", events)
         plan = self.scheduler.schedule(self._sequence)
+        copies = self.pool.take_copies()
+        if copies:  # partial-page prefix hits: before any forward touches those pages
+            self.runner.copy_kv_blocks(copies)
         self.stats["preemptions"] += len(plan.preempted)
         for req in plan.preempted:
             self._last_block_count.pop(req.request_id, None)

@@ -25,7 +25,20 @@ Block states. Every block is exactly one of:
 
 A registered block is full and immutable, so it may be shared. A block that a sequence is still
 writing (its partially filled last block, or any block past what it has committed) is fresh
-and owned by that sequence alone: prefix hits only ever cover full blocks.
+and owned by that sequence alone: shared prefix hits only ever cover full blocks.
+
+Partial-block hits (``copy_partial=True``). Where the full-block walk stops, a prompt usually
+still shares the first columns of some cached block that followed the same prefix (a voice
+reference shared by many requests ends mid-block; the text after it differs). The pool keeps,
+per registered block, its parent chain hash and its columns; the best such child (longest run
+of equal leading columns, ``j``) is *copied*: the prompt's fresh block there gets the cached
+block's K/V (the whole block; the slots past ``j`` are overwritten by the prefill before
+anything reads them) and its first ``j`` columns count as cached. The copy is queued in the
+pool (:meth:`BlockPool.take_copies`); the owner of the K/V tensors must execute the queued
+copies, in order, before the next forward that reads or writes the cache. In order is enough:
+a source block evicted and handed out again in the same step is written only by that step's
+forward, after its queued copies. So with 64-token pages a prompt is cached to the token, not
+to the page.
 
 Hot path. ``append_slots`` / ``can_append`` are O(1) unless a block boundary is crossed;
 ``commit_tokens`` is O(columns) plus one hash per newly full block; ``allocate_prompt`` is
@@ -71,6 +84,7 @@ class PrefixMatch:
 
     num_cached_tokens: int
     block_table: list[int]
+    copied_tokens: int = 0  # of num_cached_tokens, the columns of a partial-block copy
 
 
 def root_hash(rows: int) -> bytes:
@@ -138,7 +152,8 @@ class BlockPool:
     re-submitted ``prompt + generated`` grid hits the cache.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 copy_partial: bool = False, max_partial_candidates: int = 32) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -146,8 +161,16 @@ class BlockPool:
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.enable_prefix_cache = bool(enable_prefix_cache)
+        self.copy_partial = bool(copy_partial) and self.enable_prefix_cache
+        self.max_partial_candidates = int(max_partial_candidates)
         self._ref = [0] * self.num_blocks
         self._block_hash: list[bytes | None] = [None] * self.num_blocks
+        # partial-block hits: parent chain hash -> registered children (insertion order), and
+        # each registered block's parent and columns [rows, block_size]
+        self._children: dict[bytes, dict[int, None]] = {}
+        self._block_parent: dict[int, bytes] = {}
+        self._block_cols: dict[int, np.ndarray] = {}
+        self._copies: list[tuple[int, int]] = []  # (src, dst) queued for the K/V owner
         self._hash_to_block: dict[bytes, int] = {}
         self._free: deque[int] = deque(range(self.num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -156,6 +179,7 @@ class BlockPool:
         self.hit_tokens = 0
         self.queried_tokens = 0
         self.evicted_blocks = 0
+        self.copied_tokens = 0  # of hit_tokens, columns served by partial-block copies
 
     # ------------------------------------------------------------------ capacity / stats
 
@@ -191,7 +215,7 @@ class BlockPool:
         return self.num_used / self.num_blocks
 
     def reset_stats(self) -> None:
-        self.hit_tokens = self.queried_tokens = self.evicted_blocks = 0
+        self.hit_tokens = self.queried_tokens = self.evicted_blocks = self.copied_tokens = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` KV entries."""
@@ -216,9 +240,53 @@ class BlockPool:
             b, _ = self._evictable.popitem(last=False)
             del self._hash_to_block[self._block_hash[b]]  # type: ignore[arg-type]
             self._block_hash[b] = None
+            self._forget_child(b)
             self.evicted_blocks += 1
         self._ref[b] = 1
         return b
+
+    def _register(self, b: int, h: bytes, parent: bytes, cols_bytes) -> None:
+        self._hash_to_block[h] = b
+        self._block_hash[b] = h
+        if self.copy_partial:
+            self._block_parent[b] = parent
+            self._children.setdefault(parent, {})[b] = None
+            self._block_cols[b] = np.frombuffer(bytes(cols_bytes), dtype=_COL_DTYPE).reshape(
+                self.block_size, -1).T
+
+    def _forget_child(self, b: int) -> None:
+        parent = self._block_parent.pop(b, None)
+        if parent is None:
+            return
+        self._block_cols.pop(b, None)
+        kids = self._children.get(parent)
+        if kids is not None:
+            kids.pop(b, None)
+            if not kids:
+                del self._children[parent]
+
+    def _partial(self, grid: np.ndarray, start: int, parent: bytes) -> tuple[int, int]:
+        """The cached child of ``parent`` sharing the most leading columns with ``grid[:, start:]``
+        (at most ``T - 1 - start``: the last token is recomputed): (block, columns) or (-1, 0)."""
+        kids = self._children.get(parent)
+        limit = min(self.block_size, grid.shape[1] - 1 - start)
+        if not kids or limit < 1:
+            return -1, 0
+        want = grid[:, start:start + limit]
+        best, best_j = -1, 0
+        for n, b in enumerate(reversed(kids)):  # most recently registered first
+            if n >= self.max_partial_candidates:
+                break
+            cols = self._block_cols[b]
+            if cols.shape[0] != want.shape[0]:
+                continue
+            eq = (cols[:, :limit] == want).all(axis=0)
+            j = limit if eq.all() else int(np.argmin(eq))
+            if j > best_j:
+                best, best_j = b, j
+                if j == limit:
+                    break
+        return best, best_j
 
     def _match(self, grid: np.ndarray) -> tuple[list[int], bytes]:
         """Cached full blocks of ``grid``'s prefix (capped to leave >= 1 token) and the last hash."""
@@ -244,7 +312,18 @@ class BlockPool:
         grid = _as_grid(grid_columns)
         if grid.shape[1] < 1:
             return 0
-        return len(self._match(grid)[0]) * self.block_size
+        hits, h = self._match(grid)
+        n = len(hits) * self.block_size
+        if self.copy_partial:
+            n += self._partial(grid, n, h)[1]
+        return n
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued partial-block copies ``(src, dst)`` since the last call, in order; the
+        K/V owner must copy every block ``src`` to ``dst`` (all layers, K, V and scales) in this
+        order before the next forward."""
+        out, self._copies = self._copies, []
+        return out
 
     def allocate_prompt(self, seq_id: Hashable, grid_columns) -> PrefixMatch:
         """Reserve KV for a prompt grid ``[rows, T]``, reusing its longest cached full-block prefix.
@@ -270,12 +349,19 @@ class BlockPool:
             if self._ref[b] == 0:
                 del self._evictable[b]
             self._ref[b] += 1
-        table = hits + [self._take_block() for _ in range(n_fresh)]
         n_cached = len(hits) * self.block_size
-        self._seqs[seq_id] = _Seq(table, T, n_cached, rows, h)
+        src, j = self._partial(grid, n_cached, h) if self.copy_partial else (-1, 0)
+        table = hits + [self._take_block() for _ in range(n_fresh)]
+        seq = _Seq(table, T, n_cached + j, rows, h)
+        if j:
+            # queued before anything can write the fresh block (or a re-taken src: in order)
+            self._copies.append((src, table[len(hits)]))
+            seq.pending += _column_bytes(grid[:, n_cached:n_cached + j])
+            self.copied_tokens += j
+        self._seqs[seq_id] = seq
         self.queried_tokens += T
-        self.hit_tokens += n_cached
-        return PrefixMatch(n_cached, list(table))
+        self.hit_tokens += n_cached + j
+        return PrefixMatch(n_cached + j, list(table), j)
 
     def can_append(self, seq_id: Hashable, n: int = 1) -> bool:
         s = self._seqs[seq_id]
@@ -319,12 +405,12 @@ class BlockPool:
                 buf = memoryview(bytes(s.pending))
                 off = 0
                 while len(buf) - off >= stride:
-                    h = chain_hash(s.last_hash, buf[off:off + stride])
+                    parent = s.last_hash
+                    h = chain_hash(parent, buf[off:off + stride])
                     s.last_hash = h
                     b = s.table[idx]
                     if h not in self._hash_to_block and self._block_hash[b] is None:
-                        self._hash_to_block[h] = b
-                        self._block_hash[b] = h
+                        self._register(b, h, parent, buf[off:off + stride])
                     idx += 1
                     off += stride
                 del s.pending[:off]
@@ -366,6 +452,9 @@ class BlockPool:
         for b in self._hash_to_block.values():
             self._block_hash[b] = None
         self._hash_to_block.clear()
+        self._children.clear()
+        self._block_parent.clear()
+        self._block_cols.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
         return dropped
@@ -409,5 +498,13 @@ class BlockPool:
                 need(self._hash_to_block.get(h) == b, f"block {b} hash not registered to it")
         for h, b in self._hash_to_block.items():
             need(self._block_hash[b] == h, f"hash map points at block {b} with another hash")
+        if self.copy_partial:
+            need(set(self._block_parent) == set(self._hash_to_block.values()) == set(self._block_cols),
+                 "partial-hit index out of step with the registered blocks")
+            for parent, kids in self._children.items():
+                for b in kids:
+                    need(self._block_parent.get(b) == parent, f"child {b} under the wrong parent")
+            need(sum(len(k) for k in self._children.values()) == len(self._block_parent),
+                 "a registered block is missing from its parent's children")
         if not self.enable_prefix_cache:
             need(not self._hash_to_block and not self._evictable, "prefix cache disabled but used")

@@ -217,6 +217,11 @@ class ModelRunner:
         row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.block_tables[slot].copy_(row, non_blocking=True)
 
+    def copy_kv_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Execute the pool's queued partial-page prefix copies (stream-ordered before the next
+        prefill / decode launch; :meth:`PagedKVCache.copy_blocks`)."""
+        self.kv.copy_blocks(copies)
+
     def set_block(self, slot: int, index: int, block: int) -> None:
         self.block_tables[slot, index] = block
 
