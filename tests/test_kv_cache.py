@@ -583,3 +583,34 @@ def test_partial_index_forgets_reset_and_evicted_blocks():
     pool.check_invariants()
     m = pool.allocate_prompt("b", cat(voice, grid(1, seed=62)))
     assert m.num_cached_tokens == 0 and pool.take_copies() == []
+
+
+def test_released_partial_page_is_a_copy_source():
+    """A sequence's partially committed last page (a realtime voice warm-up's tail) stays
+    evictable as a copy source after it is freed; reclaiming it forgets it."""
+    pool = BlockPool(6, BS, copy_partial=True)
+    voice = grid(7, seed=70)  # one full page + 3 columns in the open page
+    a = prefill(pool, "a", voice)
+    pool.free("a")
+    assert pool.num_evictable == 2 and pool.num_free == 6
+    pool.check_invariants()
+    m = pool.allocate_prompt("b", cat(voice, grid(3, seed=71)))
+    assert (m.num_cached_tokens, m.copied_tokens) == (7, 3)
+    assert pool.take_copies() == [(a.block_table[1], m.block_table[1])]
+    pool.check_invariants()
+    # a prompt sharing fewer of the open page's columns copies just those
+    short = cat(voice[:, :6], grid(2, seed=72))
+    m = pool.allocate_prompt("c", short)
+    assert (m.num_cached_tokens, m.copied_tokens) == (6, 2)
+    pool.take_copies()
+    pool.free("b")
+    pool.free("c")
+    pool.check_invariants()
+    # memory pressure reclaims the released partial pages like any cached block
+    pool.allocate_prompt("d", grid(24, seed=73))
+    assert pool.num_evictable == 0
+    pool.check_invariants()
+    pool.free("d")
+    pool.reset_prefix_cache()
+    pool.check_invariants()
+    assert pool.num_free == 6 and pool.num_cached == 0

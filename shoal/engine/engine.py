@@ -8,6 +8,7 @@ callers never block on it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,12 +34,11 @@ from .scheduler import Scheduler
 @dataclass
 class EngineConfig:
     max_running: int | None = None  # default 128 on CUDA, 16 on CPU
-    # KV-cache page size in tokens (prefix caching shares whole pages). 64-token pages let the
-    # FP8 cache's decode attention read a page per tile through TMA (H200, c=64: +4.5% frames/s
-    # with an FP8 cache, +1.2% with bf16), but with 4 shared voices they cut prefix hits from
-    # ~60% to 32% and raised first audio p50 from ~150 to 184 ms (docs/benchmarks.md): 16 stays
-    # the default; ``shoal serve/batch --kv-block-size 64`` for throughput.
-    block_size: int = 16
+    # KV-cache page size in tokens; default 64 on CUDA, 16 on CPU. 64-token pages let the FP8
+    # cache's decode attention read a page per tile through TMA (H200, c=64: +4.5% frames/s with
+    # an FP8 cache, +1.2-1.7% with bf16, docs/benchmarks.md). Prefix hits do not depend on it:
+    # whole pages are shared and a partially shared page is copied (prefix_copy_partial).
+    block_size: int | None = None
     num_blocks: int | None = None  # default: from kv_memory_fraction on CUDA; enough on CPU
     kv_memory_fraction: float = 0.85  # of the memory free after weights (CUDA)
     prefill_chunk: int = 1024  # prompt tokens per step
@@ -120,7 +120,9 @@ class Engine:
         self.im_end_id = im_end_id
         dev = model.device
         on_cuda = dev.type == "cuda"
-        if cfg.block_size < 1:
+        if cfg.block_size is None:
+            cfg = dataclasses.replace(cfg, block_size=64 if on_cuda else 16)
+        elif cfg.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {cfg.block_size}")
         self.config = cfg
         max_running = cfg.max_running or (128 if on_cuda else 16)

@@ -20,8 +20,10 @@ Block states. Every block is exactly one of:
 
 * *free*: unreferenced, holds nothing reusable (FIFO ``deque``);
 * *referenced*: ``ref > 0``; in the block tables of ``ref`` sequences;
-* *cached-evictable*: unreferenced but registered in the prefix cache; kept in LRU order
-  (``OrderedDict``, least recently released first) and reclaimed only when free blocks run out.
+* *cached-evictable*: unreferenced but registered in the prefix cache (or, with
+  ``copy_partial``, a released sequence's partially filled last page, kept as a copy source
+  only); kept in LRU order (``OrderedDict``, least recently released first) and reclaimed only
+  when free blocks run out.
 
 A registered block is full and immutable, so it may be shared. A block that a sequence is still
 writing (its partially filled last block, or any block past what it has committed) is fresh
@@ -238,8 +240,9 @@ class BlockPool:
             b = self._free.popleft()
         else:
             b, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self._block_hash[b]]  # type: ignore[arg-type]
-            self._block_hash[b] = None
+            if self._block_hash[b] is not None:  # else a released partial page (copy source only)
+                del self._hash_to_block[self._block_hash[b]]
+                self._block_hash[b] = None
             self._forget_child(b)
             self.evicted_blocks += 1
         self._ref[b] = 1
@@ -277,11 +280,12 @@ class BlockPool:
         for n, b in enumerate(reversed(kids)):  # most recently registered first
             if n >= self.max_partial_candidates:
                 break
-            cols = self._block_cols[b]
+            cols = self._block_cols[b]  # [rows, block_size], or a released partial page's columns
             if cols.shape[0] != want.shape[0]:
                 continue
-            eq = (cols[:, :limit] == want).all(axis=0)
-            j = limit if eq.all() else int(np.argmin(eq))
+            m = min(limit, cols.shape[1])
+            eq = (cols[:, :m] == want[:, :m]).all(axis=0)
+            j = m if eq.all() else int(np.argmin(eq))
             if j > best_j:
                 best, best_j = b, j
                 if j == limit:
@@ -431,12 +435,23 @@ class BlockPool:
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence (``KeyError`` if unknown). Cached blocks become evictable, tail first."""
         s = self._seqs.pop(seq_id)
+        bs = self.block_size
+        # the partially committed last page stays a copy source (copy_partial): a realtime voice
+        # warm-up's tail, a finished turn that the next turn's prompt extends
+        open_idx = s.num_committed // bs if self.copy_partial and s.num_committed % bs else -1
         # released tail-first so a prompt's later blocks are evicted before its shared prefix
-        for b in reversed(s.table):
+        for i in range(len(s.table) - 1, -1, -1):
+            b = s.table[i]
             r = self._ref[b] - 1
             self._ref[b] = r
             if r == 0:
                 if self._block_hash[b] is not None:
+                    self._evictable[b] = None
+                elif i == open_idx:
+                    self._block_parent[b] = s.last_hash
+                    self._children.setdefault(s.last_hash, {})[b] = None
+                    self._block_cols[b] = np.frombuffer(bytes(s.pending), dtype=_COL_DTYPE).reshape(
+                        -1, s.rows).T
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
@@ -491,15 +506,20 @@ class BlockPool:
             need(self._ref[b] >= 0, f"block {b} has negative refcount")
             if b in free_set:
                 need(self._block_hash[b] is None, f"free block {b} is hashed")
+                need(b not in self._block_parent, f"free block {b} is a copy source")
             if b in self._evictable:
-                need(self._block_hash[b] is not None, f"evictable block {b} is not hashed")
+                need(self._block_hash[b] is not None or b in self._block_parent,
+                     f"evictable block {b} is neither hashed nor a released partial page")
+            if self._block_hash[b] is None and b in self._block_parent:
+                need(b in self._evictable and 0 < self._block_cols[b].shape[1] < bs,
+                     f"partial page {b} is not an evictable, partially filled copy source")
             h = self._block_hash[b]
             if h is not None:
                 need(self._hash_to_block.get(h) == b, f"block {b} hash not registered to it")
         for h, b in self._hash_to_block.items():
             need(self._block_hash[b] == h, f"hash map points at block {b} with another hash")
         if self.copy_partial:
-            need(set(self._block_parent) == set(self._hash_to_block.values()) == set(self._block_cols),
+            need(set(self._hash_to_block.values()) <= set(self._block_parent) == set(self._block_cols),
                  "partial-hit index out of step with the registered blocks")
             for parent, kids in self._children.items():
                 for b in kids:

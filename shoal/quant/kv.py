@@ -76,7 +76,7 @@ def dequantize_kv(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) 
 def add_kv_block_size_arg(p) -> None:
     """``--kv-block-size N`` for the CLIs that build an engine."""
     p.add_argument("--kv-block-size", type=int, default=None, metavar="N",
-                   help="KV-cache page size in tokens (default 16; prefix caching shares whole pages). "
-                        "64 with --kv-cache-dtype fp8 lets the FP8 decode attention read a page per "
-                        "tile through TMA: +4.5%% frames/s at 64 streams on an H200, at the cost of "
-                        "coarser prefix sharing (docs/benchmarks.md)")
+                   help="KV-cache page size in tokens (default 64 on CUDA, 16 on CPU). At 64 the FP8 "
+                        "decode attention (--kv-cache-dtype fp8) reads a page per tile through TMA: "
+                        "+4.5%% frames/s at 64 streams on an H200 (docs/benchmarks.md); prefix hits "
+                        "are to the token at any page size (a partially shared page is copied)")
