@@ -392,7 +392,8 @@ def test_metrics_exposed(main):
     text = httpx.get(main.url + "/metrics").text
     for name in ("shoal_http_requests_total", "shoal_queue_depth", "shoal_running_requests", "shoal_frames_total",
                  "shoal_time_to_first_audio_seconds_bucket", "shoal_kv_cache_usage_ratio",
-                 "shoal_prefix_cache_hit_rate", "shoal_requests_in_flight", "shoal_ready",
+                 "shoal_prefix_cache_hit_rate", "shoal_prefix_cache_copied_tokens_total",
+                 "shoal_requests_in_flight", "shoal_ready",
                  "shoal_codec_calls_total", "shoal_codec_frames_total",
                  'shoal_codec_first_chunk_queue_seconds{quantile="0.5"}', 'shoal_codec_call_seconds{quantile="0.99"}'):
         assert name in text, name

@@ -8,6 +8,7 @@ Engine side (read from the engine when scraped):
   shoal_queue_depth, shoal_running_requests, shoal_preparing_requests, shoal_max_running,
   shoal_frames_total (rate() = frames/s), shoal_kv_cache_usage_ratio,
   shoal_prefix_cache_hit_tokens_total, shoal_prefix_cache_queried_tokens_total,
+  shoal_prefix_cache_copied_tokens_total,
   shoal_prefix_cache_hit_rate, shoal_ready.
 Codec (streaming audio; from the audio worker's counters, percentiles over its recent calls):
   shoal_codec_calls_total, shoal_codec_frames_total (stream-frames decoded),
@@ -51,6 +52,9 @@ class _EngineCollector:
                                   value=s["prefix_hit_tokens"])
         yield CounterMetricFamily("shoal_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
                                   value=s["prefix_queried_tokens"])
+        yield CounterMetricFamily("shoal_prefix_cache_copied_tokens",
+                                  "Of the hit tokens, those served by copying a partially shared KV page",
+                                  value=s["prefix_copied_tokens"])
         yield GaugeMetricFamily("shoal_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens",
                                 value=s["prefix_hit_rate"])
         yield GaugeMetricFamily("shoal_ready", "1 once warm-up is done", value=s["ready"])

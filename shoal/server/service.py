@@ -405,6 +405,7 @@ class TTSService:
             "prefix_hit_tokens": float(pool.hit_tokens),
             "prefix_queried_tokens": float(pool.queried_tokens),
             "prefix_hit_rate": float(pool.hit_rate),
+            "prefix_copied_tokens": float(pool.copied_tokens),
             "max_running": float(eng.max_running),
             "ready": 1.0 if self.ready else 0.0,
             **self._codec_snapshot(eng),
