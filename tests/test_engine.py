@@ -135,6 +135,49 @@ def test_prefix_hits_to_the_token_copy_the_partial_page(s2, voice, block_size, p
     eng.pool.check_invariants()
 
 
+def test_a_burst_cloning_one_voice_prefills_the_voice_once(s2, voice):
+    """Six requests with one voice submitted together: with prefix-aware admission the first
+    computes the voice's pages and the others are admitted once they are cached (a step later),
+    so they prefill only their own text; the codes equal the reference loop either way."""
+    model, tok, _ = s2
+    prefilled, codes = {}, {}
+    for wait in (False, True):
+        eng = Engine(model, tok.im_end_id, config=EngineConfig(
+            max_running=8, num_blocks=128, prefill_chunk=64, prefix_wait=wait))
+        for j in range(6):
+            eng.add_request(EngineRequest(session=session(tok, 1 + 2 * (j % 2), voice), params=GREEDY,
+                                          max_new_tokens=3, request_id=f"v{j}"))
+        done, _ = run(eng)
+        prefilled[wait] = eng.stats["prefill_tokens"]
+        codes[wait] = {rid: e.codes for rid, e in done.items()}
+        assert (eng.scheduler.deferred_admissions > 0) == wait
+        assert not eng.scheduler._inflight and not eng.scheduler._producing and not eng.scheduler._waited
+        eng.pool.check_invariants()
+    g = session(tok, 1, voice).grid()
+    assert prefilled[True] < prefilled[False] - 3 * (g.shape[1] // 2)  # the voice once, not six times
+    for j in range(2):
+        want = solo(model, tok, 1 + 2 * j, voice, GREEDY, 0, 3)
+        for rid in (f"v{j}", f"v{j + 2}", f"v{j + 4}"):
+            assert np.array_equal(codes[True][rid], want) and np.array_equal(codes[False][rid], want), rid
+
+
+def test_waiters_are_admitted_when_the_producer_is_cancelled(s2, voice):
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=4, num_blocks=128, prefill_chunk=16))
+    reqs = [EngineRequest(session=session(tok, 1, voice), params=GREEDY, max_new_tokens=3, request_id=f"c{j}")
+            for j in range(3)]
+    for r in reqs:
+        eng.add_request(r)
+    eng.step()  # c0 admitted and prefilling its first 16 columns; c1, c2 wait for its pages
+    assert eng.scheduler.deferred_admissions >= 2 and reqs[0].status.name == "PREFILL"
+    eng.abort("c0")
+    done, _ = run(eng)
+    assert done["c0"].reason == "cancelled"
+    want = solo(model, tok, 1, voice, GREEDY, 0, 3)
+    assert np.array_equal(done["c1"].codes, want) and np.array_equal(done["c2"].codes, want)
+    assert eng.pool.num_used == 0
+
+
 def test_preemption_under_memory_pressure_keeps_outputs_exact(s2, voice):
     model, tok, _ = s2
     # 12 blocks of 16 tokens cannot hold 4 growing sequences: requests get preempted and resumed

@@ -78,6 +78,7 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
     total_frames = 0
     torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
     hit0, queried0, copied0 = engine.pool.hit_tokens, engine.pool.queried_tokens, engine.pool.copied_tokens
+    waits0, prefill0 = engine.scheduler.deferred_admissions, engine.stats.get("prefill_tokens", 0)
     if engine.audio is not None:
         engine.audio.streamer.stats.reset()  # read by this thread only once the level is over
     t0 = time.perf_counter()
@@ -126,6 +127,9 @@ def run_level(engine: Engine, model, c: int, n_requests: int, frames: int, promp
                             if engine.pool.queried_tokens > queried0 else 0.0),
         # of the hits, tokens from partial-page copies (prefix hits to the token)
         "prefix_copied_tokens": engine.pool.copied_tokens - copied0,
+        # scheduling steps requests waited for pages being computed; prompt tokens prefilled
+        "prefix_waits": engine.scheduler.deferred_admissions - waits0,
+        "prefill_tokens": engine.stats.get("prefill_tokens", 0) - prefill0,
     }
     if audio:
         out["underrun_requests"] = sum(1 for v in dry.values() if v > 0)
@@ -183,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=None, help="KV-cache page size in tokens (default: the engine's)")
     p.add_argument("--no-prefix-copy", action="store_true",
                    help="prefix hits in whole pages only (no partial-page copies)")
+    p.add_argument("--no-prefix-wait", action="store_true",
+                   help="admit requests at once even when their prompt's pages are being computed")
     p.add_argument("--out", default="bench-out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro",
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         max_running=args.max_running, num_blocks=None if dev.type == "cuda" else 2048, cuda_graphs=not args.no_graphs, max_seq_len=4096,
         prefill_chunk=args.prefill_chunk, audio_sms=args.audio_sms,
         **({"block_size": args.block_size} if args.block_size else {}),
-        prefix_copy_partial=not args.no_prefix_copy,
+        prefix_copy_partial=not args.no_prefix_copy, prefix_wait=not args.no_prefix_wait,
         kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
         audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
     t = time.perf_counter()

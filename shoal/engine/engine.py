@@ -50,6 +50,9 @@ class EngineConfig:
     # a prompt that shares only the first columns of a cached page gets a copy of that page's
     # K/V and skips those columns (prefix hits to the token, not to the page)
     prefix_copy_partial: bool = True
+    # a waiting request whose prompt continues with pages an admitted request is computing
+    # (a burst cloning one voice) is admitted once they are cached, a prefill step later
+    prefix_wait: bool = True
     max_seq_len: int | None = None  # cap the context (default: the model's)
     audio_schedule: ChunkSchedule = field(default_factory=ChunkSchedule)
     audio_thread: bool | None = None  # codec on its own thread/stream (default: on CUDA)
@@ -172,7 +175,7 @@ class Engine:
             prefill_buckets=self.prefill_buckets, kv_cache_dtype=self.kv_cache_dtype))
         if on_cuda:  # kernels that fail to compile or disagree on this GPU are not used
             self.runner.verify_fused_sampling()
-        self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk)
+        self.scheduler = Scheduler(self.pool, max_running, cfg.prefill_chunk, wait_for_prefix=cfg.prefix_wait)
         self._audio_pending: dict[str, tuple[EngineRequest, str]] = {}  # finished, audio not yet out
         self.requests: dict[str, EngineRequest] = {}
         self.max_running = max_running

@@ -322,6 +322,24 @@ class BlockPool:
             n += self._partial(grid, n, h)[1]
         return n
 
+    def page_hashes(self, grid_columns, limit: int | None = None) -> list[bytes]:
+        """Chain hashes of the grid's leading full pages (at most ``limit``), the keys its pages
+        are cached under once written. Pure (no side effects)."""
+        grid = _as_grid(grid_columns)
+        rows, T = grid.shape
+        bs = self.block_size
+        n = T // bs if limit is None else min(limit, T // bs)
+        h = root_hash(rows)
+        out = []
+        for i in range(n):
+            h = chain_hash(h, _column_bytes(grid[:, i * bs:(i + 1) * bs]))
+            out.append(h)
+        return out
+
+    def is_cached(self, page_hash: bytes) -> bool:
+        """Whether a page with this chain hash is in the prefix cache now."""
+        return page_hash in self._hash_to_block
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The queued partial-block copies ``(src, dst)`` since the last call, in order; the
         K/V owner must copy every block ``src`` to ``dst`` (all layers, K, V and scales) in this

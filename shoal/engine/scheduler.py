@@ -6,6 +6,9 @@ Every step:
    urgent class;
 2. give the prefill token budget to admitted requests in admission order (chunked prefill, so
    a long prompt never stalls the decode batch for more than one chunk);
+   A request whose prompt continues with pages that an admitted request is computing right
+   now (a burst of requests cloning one voice) waits for them instead (``wait_for_prefix``):
+   they are in the prefix cache one prefill step later, so it prefills only what is its own;
 3. decode every request whose prompt is computed; when the pool cannot grow a sequence by one
    token, preempt the least urgent, most recent request (its KV is freed; it is recomputed
    from its prompt + generated columns later, with its sampling state intact).
@@ -28,10 +31,21 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_running: int, prefill_chunk: int) -> None:
+    # a waiting request defers to in-flight pages worth at least this many tokens, for at most
+    # this many scheduling steps (a producer that is preempted or cancelled is forgotten at once)
+    MIN_WAIT_TOKENS = 32
+    MAX_WAIT_STEPS = 64
+
+    def __init__(self, pool: BlockPool, max_running: int, prefill_chunk: int,
+                 wait_for_prefix: bool = True) -> None:
         self.pool = pool
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
+        self.wait_for_prefix = wait_for_prefix and pool.enable_prefix_cache
+        self._producing: dict[EngineRequest, list[bytes]] = {}  # prefilling -> its new pages' hashes
+        self._inflight: dict[bytes, int] = {}  # page hash -> producers computing it
+        self._waited: dict[EngineRequest, int] = {}  # steps a waiting request has deferred
+        self.deferred_admissions = 0  # stats: scheduling steps requests spent waiting for pages
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []  # admitted (prefill or decode), admission order
         self.free_slots = list(range(max_running - 1, -1, -1))
@@ -50,11 +64,43 @@ class Scheduler:
         self._release(req)
 
     def _release(self, req: EngineRequest) -> None:
+        self._stop_producing(req)
+        self._waited.pop(req, None)
         if req.request_id in self.pool:
             self.pool.free(req.request_id)
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None
+
+    # ------------------------------------------------------------------ prefix-aware admission
+    def _stop_producing(self, req: EngineRequest) -> None:
+        for h in self._producing.pop(req, ()):
+            n = self._inflight[h] - 1
+            if n:
+                self._inflight[h] = n
+            else:
+                del self._inflight[h]
+
+    def _start_producing(self, req: EngineRequest, grid, num_cached: int) -> None:
+        hashes = self.pool.page_hashes(grid)[num_cached // self.pool.block_size:]
+        if hashes:
+            self._producing[req] = hashes
+            for h in hashes:
+                self._inflight[h] = self._inflight.get(h, 0) + 1
+
+    def _should_wait(self, req: EngineRequest, grid) -> bool:
+        """Whether ``req``'s prompt continues (past what is cached) with pages being computed."""
+        if not self._inflight or self._waited.get(req, 0) >= self.MAX_WAIT_STEPS:
+            return False
+        pool = self.pool
+        inflight = 0
+        for h in pool.page_hashes(grid, (grid.shape[1] - 1) // pool.block_size):
+            if pool.is_cached(h):
+                continue
+            if h not in self._inflight:
+                break
+            inflight += 1
+        return inflight * pool.block_size >= self.MIN_WAIT_TOKENS
 
     @staticmethod
     def _urgency(req: EngineRequest) -> tuple[int, float]:
@@ -83,10 +129,19 @@ class Scheduler:
     def schedule(self, sequence_of: Callable[[EngineRequest], "object"]) -> StepPlan:
         """``sequence_of(req)`` gives the grid columns to prefill (np.ndarray [11, T])."""
         plan = StepPlan()
+        # pages of requests done prefilling are cached (or the request left): no longer in flight
+        for req in [r for r in self._producing if r.status is not Status.PREFILL or r not in self.running]:
+            self._stop_producing(req)
         # 1. admission
         self.waiting.sort(key=self._urgency)
+        deferred: list[EngineRequest] = []
         while self.waiting:
             req = self.waiting[0]
+            if self.wait_for_prefix and self._should_wait(req, sequence_of(req)):
+                self._waited[req] = self._waited.get(req, 0) + 1
+                self.deferred_admissions += 1
+                deferred.append(self.waiting.pop(0))
+                continue
             match = None
             if self.free_slots:
                 try:
@@ -102,10 +157,14 @@ class Scheduler:
                 self.waiting.sort(key=self._urgency)
                 continue
             self.waiting.pop(0)
+            self._waited.pop(req, None)
             req.slot = self.free_slots.pop()
             req.num_computed = match.num_cached_tokens
             req.status = Status.PREFILL
             self.running.append(req)
+            if self.wait_for_prefix:
+                self._start_producing(req, sequence_of(req), match.num_cached_tokens)
+        self.waiting[:0] = deferred
 
         # 2. chunked prefill
         budget = self.prefill_chunk
