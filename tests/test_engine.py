@@ -151,7 +151,8 @@ def test_a_burst_cloning_one_voice_prefills_the_voice_once(s2, voice):
         prefilled[wait] = eng.stats["prefill_tokens"]
         codes[wait] = {rid: e.codes for rid, e in done.items()}
         assert (eng.scheduler.deferred_admissions > 0) == wait
-        assert not eng.scheduler._inflight and not eng.scheduler._producing and not eng.scheduler._waited
+        sch = eng.scheduler
+        assert not sch._inflight and not sch._producing and not sch._waited and not sch._hashes
         eng.pool.check_invariants()
     g = session(tok, 1, voice).grid()
     assert prefilled[True] < prefilled[False] - 3 * (g.shape[1] // 2)  # the voice once, not six times

@@ -45,6 +45,7 @@ class Scheduler:
         self._producing: dict[EngineRequest, list[bytes]] = {}  # prefilling -> its new pages' hashes
         self._inflight: dict[bytes, int] = {}  # page hash -> producers computing it
         self._waited: dict[EngineRequest, int] = {}  # steps a waiting request has deferred
+        self._hashes: dict[EngineRequest, tuple[int, list[bytes]]] = {}  # (grid length, page hashes)
         self.deferred_admissions = 0  # stats: scheduling steps requests spent waiting for pages
         self.waiting: list[EngineRequest] = []
         self.running: list[EngineRequest] = []  # admitted (prefill or decode), admission order
@@ -66,6 +67,7 @@ class Scheduler:
     def _release(self, req: EngineRequest) -> None:
         self._stop_producing(req)
         self._waited.pop(req, None)
+        self._hashes.pop(req, None)
         if req.request_id in self.pool:
             self.pool.free(req.request_id)
         if req.slot is not None:
@@ -93,8 +95,13 @@ class Scheduler:
         if not self._inflight or self._waited.get(req, 0) >= self.MAX_WAIT_STEPS:
             return False
         pool = self.pool
+        T = grid.shape[1]
+        cached = self._hashes.get(req)
+        if cached is None or cached[0] != T:  # a waiting grid only changes by a preemption
+            cached = (T, pool.page_hashes(grid, (T - 1) // pool.block_size))
+            self._hashes[req] = cached
         inflight = 0
-        for h in pool.page_hashes(grid, (grid.shape[1] - 1) // pool.block_size):
+        for h in cached[1]:
             if pool.is_cached(h):
                 continue
             if h not in self._inflight:
@@ -137,7 +144,8 @@ class Scheduler:
         deferred: list[EngineRequest] = []
         while self.waiting:
             req = self.waiting[0]
-            if self.wait_for_prefix and self._should_wait(req, sequence_of(req)):
+            # (only with a slot free: without one it waits anyway, or preempts as before)
+            if self.wait_for_prefix and self.free_slots and self._should_wait(req, sequence_of(req)):
                 self._waited[req] = self._waited.get(req, 0) + 1
                 self.deferred_admissions += 1
                 deferred.append(self.waiting.pop(0))
@@ -158,6 +166,7 @@ class Scheduler:
                 continue
             self.waiting.pop(0)
             self._waited.pop(req, None)
+            self._hashes.pop(req, None)
             req.slot = self.free_slots.pop()
             req.num_computed = match.num_cached_tokens
             req.status = Status.PREFILL
