@@ -171,12 +171,39 @@ def test_waiters_are_admitted_when_the_producer_is_cancelled(s2, voice):
         eng.add_request(r)
     eng.step()  # c0 admitted and prefilling its first 16 columns; c1, c2 wait for its pages
     assert eng.scheduler.deferred_admissions >= 2 and reqs[0].status.name == "PREFILL"
+    assert reqs[1].status.name == reqs[2].status.name == "WAITING"
     eng.abort("c0")
+    events = eng.step()  # the producer is gone: c1 is admitted at once and computes the rest of the
+    #             voice (c0's committed pages are cached); c2 now waits for c1's pages
+    sch = eng.scheduler
+    assert reqs[1].status.name == "PREFILL" and reqs[2].status.name == "WAITING"
+    assert reqs[0] not in sch._producing and reqs[1] in sch._producing
+    assert set(sch._inflight) == set(sch._producing[reqs[1]])
+    assert [e.reason for e in events if isinstance(e, FinishEvent)] == ["cancelled"]
     done, _ = run(eng)
-    assert done["c0"].reason == "cancelled"
     want = solo(model, tok, 1, voice, GREEDY, 0, 3)
     assert np.array_equal(done["c1"].codes, want) and np.array_equal(done["c2"].codes, want)
     assert eng.pool.num_used == 0
+
+
+def test_a_request_waiting_for_pages_keeps_its_turn(s2, voice):
+    """Two slots; P and W share a voice, X (same priority) arrives after W: W waits for P's
+    pages holding the free slot, so X cannot take it; W is admitted the next step."""
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=128))
+    P, W, X = (EngineRequest(session=session(tok, i, voice), params=GREEDY, max_new_tokens=3, request_id=rid)
+               for rid, i in (("P", 1), ("W", 3), ("X", 0)))
+    for r in (P, W, X):
+        eng.add_request(r)
+    eng.step()  # P prefills the voice; W waits for it and keeps the second slot
+    assert P.status.name != "WAITING" and W.status.name == "WAITING" and X.status.name == "WAITING"
+    eng.step()  # P's pages are cached: W is admitted, X still waits for a slot
+    sch = eng.scheduler
+    assert W.status.name != "WAITING" and X.status.name == "WAITING"
+    assert P not in sch._producing  # done prefilling: its pages are cached, not in flight
+    done, _ = run(eng)
+    for rid, i in (("P", 1), ("W", 3), ("X", 0)):
+        assert np.array_equal(done[rid].codes, solo(model, tok, i, voice, GREEDY, 0, 3)), rid
 
 
 def test_preemption_under_memory_pressure_keeps_outputs_exact(s2, voice):

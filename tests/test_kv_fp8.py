@@ -373,3 +373,40 @@ def test_gpu_fp8_attention_at_s2_pro_sizes():
     outp = paged_prefill_attention(qp, k8, v8, bt[:2], cu, start, D ** -0.5, k_scale=ks, v_scale=vs)
     refp = paged_prefill_attention_ref(qp, k8, v8, bt[:2], cu, start, D ** -0.5, k_scale=ks, v_scale=vs)
     assert _excess(outp, refp, 2e-2) <= 2e-2
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8-token-minor"])
+def test_copy_blocks_in_order_on_every_layout(kind):
+    """PagedKVCache.copy_blocks equals copying the pairs one by one, in order: K, V (either value
+    layout) and the FP8 scales, every layer; a destination reused as a later source, several
+    copies to one destination, a block onto itself."""
+    from shoal.engine.attention import PagedKVCache
+
+    kv = None if kind == "bf16" else "fp8"
+    c = PagedKVCache(3, 8, 4, 2, 8, torch.bfloat16, "cpu", kv_dtype=kv, group=4,
+                     v_token_minor=kind == "fp8-token-minor" if kv else None)
+    g = torch.Generator().manual_seed(0)
+    tensors = ([c.data] if c.data is not None else [c.k_data, c.v_data]) + ([c.scales] if c.scales is not None else [])
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+    def snapshot():
+        return ([c.k(l).float().clone() for l in range(3)], [c.v(l).float().clone() for l in range(3)],
+                None if c.scales is None else c.scales.clone())
+
+    for copies in ([(1, 4), (2, 5), (3, 5), (4, 4)],  # gather + scatter; last copy to 5 wins
+                   [(1, 4), (4, 6), (6, 0)]):  # chained: pair by pair
+        k, v, sc = snapshot()
+        want_k, want_v = [x.clone() for x in k], [x.clone() for x in v]
+        want_s = None if sc is None else sc.clone()
+        for src, dst in copies:
+            for l in range(3):
+                want_k[l][dst] = want_k[l][src]
+                want_v[l][dst] = want_v[l][src]
+            if want_s is not None:
+                want_s[:, :, dst] = want_s[:, :, src]
+        c.copy_blocks(copies)
+        k, v, sc = snapshot()
+        for l in range(3):
+            assert torch.equal(k[l], want_k[l]) and torch.equal(v[l], want_v[l])
+        assert sc is None or torch.equal(sc, want_s)

@@ -97,15 +97,20 @@ class PagedKVCache:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` (every layer: K, V and an FP8 cache's scales) with the
-        semantics of doing the pairs in order: sources are read before any destination is
-        written, and of several copies to one destination the last wins. (A destination is
-        never the source of a later pair: a copy's destination is a fresh, unregistered block.)"""
+        semantics of doing the pairs in order. One gather + scatter per tensor when no
+        destination is also a source (the pool's case: a destination is a fresh block), else
+        pair by pair."""
+        copies = [(src, dst) for src, dst in copies if src != dst]  # a block onto itself: nothing to do
         if not copies:
             return
         last: dict[int, int] = {}
         for src, dst in copies:
             last.pop(dst, None)
             last[dst] = src
+        if set(last) & set(last.values()):  # a destination read by another pair: keep the order
+            for src, dst in copies:
+                self.copy_blocks([(src, dst)])
+            return
         dev = self.k(0).device  # index uploads without a host sync, as the block tables'
         src = torch.tensor(list(last.values()), dtype=torch.long).to(dev, non_blocking=True)
         dst = torch.tensor(list(last.keys()), dtype=torch.long).to(dev, non_blocking=True)

@@ -80,8 +80,9 @@ class NoFreeBlocks(RuntimeError):
 class PrefixMatch:
     """Result of :meth:`BlockPool.allocate_prompt`.
 
-    ``num_cached_tokens`` leading columns already have K/V in ``block_table`` (a multiple of the
-    block size, always < the prompt length); the caller prefills the rest.
+    ``num_cached_tokens`` leading columns already have K/V in ``block_table`` (whole shared
+    pages, plus ``copied_tokens`` columns of a partial-page copy; always < the prompt length);
+    the caller prefills the rest.
     """
 
     num_cached_tokens: int
@@ -322,16 +323,18 @@ class BlockPool:
             n += self._partial(grid, n, h)[1]
         return n
 
-    def page_hashes(self, grid_columns, limit: int | None = None) -> list[bytes]:
+    def page_hashes(self, grid_columns, limit: int | None = None,
+                    known: list[bytes] | None = None) -> list[bytes]:
         """Chain hashes of the grid's leading full pages (at most ``limit``), the keys its pages
-        are cached under once written. Pure (no side effects)."""
+        are cached under once written; ``known``: this grid's first hashes, already computed.
+        Pure (no side effects)."""
         grid = _as_grid(grid_columns)
         rows, T = grid.shape
         bs = self.block_size
         n = T // bs if limit is None else min(limit, T // bs)
-        h = root_hash(rows)
-        out = []
-        for i in range(n):
+        out = list(known[:n]) if known else []
+        h = out[-1] if out else root_hash(rows)
+        for i in range(len(out), n):
             h = chain_hash(h, _column_bytes(grid[:, i * bs:(i + 1) * bs]))
             out.append(h)
         return out

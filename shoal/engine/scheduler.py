@@ -83,8 +83,10 @@ class Scheduler:
             else:
                 del self._inflight[h]
 
-    def _start_producing(self, req: EngineRequest, grid, num_cached: int) -> None:
-        hashes = self.pool.page_hashes(grid)[num_cached // self.pool.block_size:]
+    def _start_producing(self, req: EngineRequest, grid, num_cached: int,
+                         known: tuple[int, list[bytes]] | None = None) -> None:
+        prefix = known[1] if known is not None and known[0] == grid.shape[1] else None
+        hashes = self.pool.page_hashes(grid, known=prefix)[num_cached // self.pool.block_size:]
         if hashes:
             self._producing[req] = hashes
             for h in hashes:
@@ -143,6 +145,10 @@ class Scheduler:
         self.waiting.sort(key=self._urgency)
         deferred: list[EngineRequest] = []
         while self.waiting:
+            # a waiting request keeps its turn: each holds one of the free slots, so a later
+            # (never more urgent) request cannot take it, and once they hold them all, stop
+            if deferred and len(deferred) >= len(self.free_slots):
+                break
             req = self.waiting[0]
             # (only with a slot free: without one it waits anyway, or preempts as before)
             if self.wait_for_prefix and self.free_slots and self._should_wait(req, sequence_of(req)):
@@ -151,7 +157,7 @@ class Scheduler:
                 deferred.append(self.waiting.pop(0))
                 continue
             match = None
-            if self.free_slots:
+            if len(self.free_slots) > len(deferred):
                 try:
                     match = self.pool.allocate_prompt(req.request_id, sequence_of(req))
                 except NoFreeBlocks:
@@ -166,13 +172,13 @@ class Scheduler:
                 continue
             self.waiting.pop(0)
             self._waited.pop(req, None)
-            self._hashes.pop(req, None)
+            known = self._hashes.pop(req, None)
             req.slot = self.free_slots.pop()
             req.num_computed = match.num_cached_tokens
             req.status = Status.PREFILL
             self.running.append(req)
             if self.wait_for_prefix:
-                self._start_producing(req, sequence_of(req), match.num_cached_tokens)
+                self._start_producing(req, sequence_of(req), match.num_cached_tokens, known)
         self.waiting[:0] = deferred
 
         # 2. chunked prefill
