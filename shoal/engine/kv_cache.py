@@ -249,14 +249,18 @@ class BlockPool:
         self._ref[b] = 1
         return b
 
-    def _register(self, b: int, h: bytes, parent: bytes, cols_bytes) -> None:
+    def _register(self, b: int, h: bytes, parent: bytes, cols_bytes, rows: int) -> None:
         self._hash_to_block[h] = b
         self._block_hash[b] = h
         if self.copy_partial:
-            self._block_parent[b] = parent
-            self._children.setdefault(parent, {})[b] = None
-            self._block_cols[b] = np.frombuffer(bytes(cols_bytes), dtype=_COL_DTYPE).reshape(
-                self.block_size, -1).T
+            self._index_child(b, parent, cols_bytes, rows)
+
+    def _index_child(self, b: int, parent: bytes, cols_bytes, rows: int) -> None:
+        """Block ``b`` becomes a copy source after ``parent``: its leading columns (canonical
+        column-major bytes of ``rows``-row columns) are kept for matching."""
+        self._block_parent[b] = parent
+        self._children.setdefault(parent, {})[b] = None
+        self._block_cols[b] = np.frombuffer(bytes(cols_bytes), dtype=_COL_DTYPE).reshape(-1, rows).T
 
     def _forget_child(self, b: int) -> None:
         parent = self._block_parent.pop(b, None)
@@ -300,15 +304,23 @@ class BlockPool:
         hits: list[int] = []
         if not self.enable_prefix_cache or not self._hash_to_block:
             return hits, h
-        bs = self.block_size
-        for i in range((T - 1) // bs):
-            nh = chain_hash(h, _column_bytes(grid[:, i * bs:(i + 1) * bs]))
+        for nh in self._iter_page_hashes(grid, (T - 1) // self.block_size):
             b = self._hash_to_block.get(nh)
             if b is None:
                 break
             hits.append(b)
             h = nh
         return hits, h
+
+    def _iter_page_hashes(self, grid: np.ndarray, n: int, start: int = 0, h: bytes | None = None):
+        """Chain hashes of pages ``start .. n-1`` of ``grid`` (``h``: the hash of page
+        ``start - 1``, or the root when ``start`` is 0), lazily."""
+        bs = self.block_size
+        if h is None:
+            h = root_hash(grid.shape[0])
+        for i in range(start, n):
+            h = chain_hash(h, _column_bytes(grid[:, i * bs:(i + 1) * bs]))
+            yield h
 
     # ------------------------------------------------------------------ sequences
 
@@ -329,14 +341,10 @@ class BlockPool:
         are cached under once written; ``known``: this grid's first hashes, already computed.
         Pure (no side effects)."""
         grid = _as_grid(grid_columns)
-        rows, T = grid.shape
-        bs = self.block_size
-        n = T // bs if limit is None else min(limit, T // bs)
+        T = grid.shape[1]
+        n = T // self.block_size if limit is None else min(limit, T // self.block_size)
         out = list(known[:n]) if known else []
-        h = out[-1] if out else root_hash(rows)
-        for i in range(len(out), n):
-            h = chain_hash(h, _column_bytes(grid[:, i * bs:(i + 1) * bs]))
-            out.append(h)
+        out.extend(self._iter_page_hashes(grid, n, len(out), out[-1] if out else None))
         return out
 
     def is_cached(self, page_hash: bytes) -> bool:
@@ -347,6 +355,8 @@ class BlockPool:
         """The queued partial-block copies ``(src, dst)`` since the last call, in order; the
         K/V owner must copy every block ``src`` to ``dst`` (all layers, K, V and scales) in this
         order before the next forward."""
+        if not self._copies:
+            return []
         out, self._copies = self._copies, []
         return out
 
@@ -435,7 +445,7 @@ class BlockPool:
                     s.last_hash = h
                     b = s.table[idx]
                     if h not in self._hash_to_block and self._block_hash[b] is None:
-                        self._register(b, h, parent, buf[off:off + stride])
+                        self._register(b, h, parent, buf[off:off + stride], rows)
                     idx += 1
                     off += stride
                 del s.pending[:off]
@@ -469,10 +479,7 @@ class BlockPool:
                 if self._block_hash[b] is not None:
                     self._evictable[b] = None
                 elif i == open_idx:
-                    self._block_parent[b] = s.last_hash
-                    self._children.setdefault(s.last_hash, {})[b] = None
-                    self._block_cols[b] = np.frombuffer(bytes(s.pending), dtype=_COL_DTYPE).reshape(
-                        -1, s.rows).T
+                    self._index_child(b, s.last_hash, s.pending, s.rows)
                     self._evictable[b] = None
                 else:
                     self._free.append(b)
