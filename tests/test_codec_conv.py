@@ -36,7 +36,7 @@ SHAPES = {
 }
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                 + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
-                   "golden_decode_fp32_k1_epilogues"])
+                   "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_row_groups"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -105,6 +105,40 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
                                         "decoder_path": bool(used) and set(used) == {want}}}
 
 
+def _row_groups_case() -> dict:
+    """Three streams decoded in chunks with the high-rate blocks in row groups of one stream
+    (the serving path, k=1 epilogues) equal the same decode in one group."""
+    from shoal.codec import CodecConfig, StreamingDecoder, load_codec
+
+    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue="k1")
+    g = torch.Generator().manual_seed(3)
+    codes = torch.cat([torch.randint(0, 4096, (3, 1, 9), generator=g),
+                       torch.randint(0, 1024, (3, 9, 9), generator=g)], 1)
+
+    def run(group_positions):
+        codec.configure_serving(group_positions=group_positions)
+        dec = StreamingDecoder(codec)
+        st = dec.new_state(3)
+        outs, i = [], 0
+        for t in (2, 3, 4):
+            outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
+            i += t
+        return torch.cat(outs, -1), st
+
+    whole, st_whole = run(None)
+    calls = []
+    real = codec.decoder.row_groups
+    codec.decoder.row_groups = lambda *a: (calls.append(real(*a)), calls[-1])[1]
+    grouped, st_grouped = run(1)
+    state_diff = max((st_whole.tensors[k].float() - st_grouped.tensors[k].float()).abs().max().item()
+                     for k in st_whole.tensors)
+    return {"checks": {"grouped_vs_whole": ((grouped - whole).abs().max().item(), 1e-6),
+                       "state_diff": (state_diff, 1e-6)},
+            "flags": {"split": bool(calls) and all(len(c) == 3 for c in calls),
+                      "used_kernel": _kernel_used(codec)}}
+
+
 def _kernel_used(codec) -> bool:
     from shoal.codec.layers import CausalConv1d
 
@@ -118,6 +152,8 @@ def _interp_case(name: str) -> dict:
         return _golden_decode_case(snake_epilogue=False)
     if name == "golden_decode_fp32_k1_epilogues":
         return _golden_decode_case(snake_epilogue="k1")
+    if name == "golden_decode_fp32_row_groups":
+        return _row_groups_case()
     if name.startswith("flat_"):  # the (tap, channel-slice) single-loop variant
         os.environ["SHOAL_CODEC_CONV_FLAT"] = "1"
         try:

@@ -131,6 +131,43 @@ def test_batched_same_schedule_different_codes(codec, dec):
     assert err(out, ref) <= TOL
 
 
+@pytest.mark.parametrize("group_positions", [1, 4, 9, 10 ** 6])
+def test_row_groups_equal_one_group(group_positions):
+    """The decoder's high-rate blocks run over row groups (a bounded activation peak): every
+    stream's audio and carried state equal the one-group decode's, for ragged groups too."""
+    c = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    codes = random_codes(13, seed=11, batch=5)
+
+    def run(gp):
+        c.configure_serving(group_positions=gp)
+        d = StreamingDecoder(c)
+        st = d.new_state(5)
+        return stream(d, codes, [2, 3, 8], st), st
+
+    whole, st_whole = run(None)
+    grouped, st_grouped = run(group_positions)
+    # the 3-frame chunk (12 input positions): one stream per group up to 12 positions
+    expected = 1 if group_positions >= 5 * 12 else -(-5 // max(1, group_positions // 12))
+    assert len(c.decoder.row_groups(5, 12)) == expected
+    assert err(grouped, whole) <= 1e-6
+    for k in st_whole.tensors:
+        assert err(st_grouped.tensors[k].float(), st_whole.tensors[k].float()) <= 1e-6, k
+    with pytest.raises(ValueError, match="group_positions"):
+        c.configure_serving(group_positions=0)
+
+
+def test_row_groups_split_rows():
+    c = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    d = c.decoder
+    d.group_positions = None
+    assert d.row_groups(64, 128) == [(0, 64)]
+    d.group_positions = 1024
+    assert d.row_groups(32, 32) == [(0, 32)]  # fits
+    assert d.row_groups(32, 128) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert d.row_groups(5, 600) == [(r, r + 1) for r in range(5)]  # a group holds >= 1 stream
+    assert d.row_groups(1, 10 ** 6) == [(0, 1)]
+
+
 def test_slot_reset_and_update(codec, dec):
     """Engine-style slot pool: reuse a slot for a new request mid-way."""
     x = random_codes(30, seed=21)

@@ -250,6 +250,59 @@ def encoder_bench(codec, dev, n_clips: int, seconds: float) -> dict:
             "batched_audio_s_per_s": total / t_batch, "codes_identical": f"{same}/{n_clips}"}
 
 
+def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane: bool) -> dict:
+    """What the engine's audio streamer keeps on the GPU for ``streams`` stream slots after its
+    warm-up (every CUDA graph captured), on a copy of the codec as ``shoal serve`` places it
+    (encode side fp32, decode side bf16, the serving decoder layout): the decode side's
+    weights, the streamer's state slots, each lane's static graph state and graph pool, and
+    the total the decode path holds (the encoder's weights listed apart)."""
+    from ..codec.streaming import StreamingDecoder
+    from ..engine.audio import AudioStreamer, ChunkSchedule
+
+    sync(dev)
+    torch.cuda.empty_cache()
+    a0, r0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    codec = copy.deepcopy(codec32).set_decode_dtype(torch.bfloat16)
+    sync(dev)
+    a1 = torch.cuda.memory_allocated(dev)
+    enc_b = sum(p.numel() * p.element_size() for m in codec.encode_modules() for p in m.parameters())
+    dec_b = sum(p.numel() * p.element_size() for m in codec.decode_modules() for p in m.parameters())
+    st = AudioStreamer(codec, streams, ChunkSchedule(), max_call_streams, first_lane=first_lane)
+    sync(dev)
+    a2, r2 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    t0 = time.perf_counter()
+    st.warmup()
+    sync(dev)
+    warm_s = time.perf_counter() - t0
+    a3, r3 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    gib = 2 ** 30
+    lanes = {}
+    for lane in st.lanes:
+        d = lane.decoder
+        ss = getattr(d, "static_state", None)
+        lanes[lane.name] = {"buckets": list(getattr(d, "batch_buckets", ())),
+                            "chunks": list(getattr(d, "chunk_frames", ())),
+                            "graphs": len(getattr(d, "graphs", {})),
+                            "static_state_gib": (ss.nbytes() if ss is not None else 0) / gib,
+                            "group_positions": codec.decoder.group_positions}
+    out = {"streams": streams, "max_call_streams": max_call_streams, "first_lane": first_lane,
+           "encode_weights_gib": enc_b / gib, "decode_weights_gib": dec_b / gib,
+           "weights_allocated_gib": (a1 - a0) / gib,
+           "state_slots_gib": st.state.nbytes() / gib,
+           "state_per_stream_mib": StreamingDecoder(codec).state_nbytes_per_stream() / 2 ** 20,
+           "streamer_allocated_gib": (a2 - a1) / gib, "lanes": lanes,
+           "warmup_reserved_gib": (r3 - r2) / gib,  # graph pools (and the allocator's slack)
+           "warmup_allocated_gib": (a3 - a2) / gib, "warmup_s": warm_s,
+           "reserved_total_gib": (r3 - r0) / gib}
+    # the decode path's resident memory: everything the codec holds on the GPU but the
+    # encoder's weights (reserved, so graph pools and the allocator's slack count)
+    out["decode_resident_gib"] = out["reserved_total_gib"] - enc_b / gib
+    del st, codec
+    sync(dev)
+    torch.cuda.empty_cache()
+    return out
+
+
 def plot(res: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -315,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--latency-reps", type=int, default=20)
     p.add_argument("--oneshot-frames", type=int, default=1024)
     p.add_argument("--skip", default="", help="comma list of sections to skip: throughput,latency,oneshot,"
-                                               "variants,exactness,encoder")
+                                               "variants,exactness,encoder,serving")
+    p.add_argument("--group-positions", default="",
+                   help="comma list of the decoder's row-group sizes for the throughput grid (input "
+                        "positions = streams x 4 x frames; 0 = no groups); default: the serving value")
+    p.add_argument("--serving-streams", default="64,128",
+                   help="stream slots of the serving-memory section (the engine's audio streamer)")
+    p.add_argument("--max-call-streams", type=int, default=32, help="streams per codec call (serving section)")
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.chunks = "1,8,64,128", "4,8,32"
@@ -365,20 +424,32 @@ def main(argv: list[str] | None = None) -> int:
             codec = codecs[dt]
             layout = use_layout(codec, layout_arg)
             log(f"{dt} decoder layout: {layout}")
-            for mode in modes:
-                dec = make_decoder(codec, mode == "graph", batches, chunks)
-                for b in batches:
-                    for t in chunks:
-                        rec = {"dtype": dt, "graphs": mode == "graph", "batch": b, "chunk": t,
-                               "layout": layout, "channels_last": layout != "cudnn"}
-                        r = guarded(res["throughput"], rec,
-                                    lambda: time_stream(dec, codec, b, t, args.iters, args.warmup, dev))
-                        if "error" not in r:
-                            log(f"{dt} {mode:5s} b={b:4d} t={t:3d}: {r['call_ms']:8.2f} ms/call "
-                                f"{r['audio_s_per_s']:9.1f} audio s/s  peak {r.get('peak_gib', 0):.2f} GiB")
-                del dec
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+            gps = [None] if not args.group_positions else [int(g) or None for g in args.group_positions.split(",") if g]
+            for gp_arg in gps:
+                if gp_arg is not None or args.group_positions:
+                    codec.configure_serving(group_positions=gp_arg)
+                gp = codec.decoder.group_positions
+                for mode in modes:
+                    for b in batches:
+                        for t in chunks:
+                            # one graph per decoder: its pool is what this call shape keeps
+                            if dev.type == "cuda":
+                                torch.cuda.empty_cache()
+                                r_before = torch.cuda.memory_reserved(dev)
+                            dec = make_decoder(codec, mode == "graph", [b], [t])
+                            rec = {"dtype": dt, "graphs": mode == "graph", "batch": b, "chunk": t,
+                                   "layout": layout, "channels_last": layout != "cudnn", "group_positions": gp}
+                            r = guarded(res["throughput"], rec,
+                                        lambda: time_stream(dec, codec, b, t, args.iters, args.warmup, dev))
+                            if dev.type == "cuda" and "error" not in r:
+                                r["reserved_gib"] = (torch.cuda.memory_reserved(dev) - r_before) / 2**30
+                            if "error" not in r:
+                                log(f"{dt} {mode:5s} g={gp} b={b:4d} t={t:3d}: {r['call_ms']:8.2f} ms/call "
+                                    f"{r['audio_s_per_s']:9.1f} audio s/s  peak {r.get('peak_gib', 0):.2f} GiB "
+                                    f"reserved {r.get('reserved_gib', 0):.2f} GiB")
+                            del dec
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
             use_layout(codec, "cudnn")
 
     # ---------------------------------------------------------------- first-chunk latency
@@ -432,6 +503,19 @@ def main(argv: list[str] | None = None) -> int:
                 del dec
         codec.configure_serving(channels_last=False)
         torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
+
+    # ---------------------------------------------------------------- serving memory
+    if "serving" not in skip and dev.type == "cuda":
+        res["serving_memory"] = []
+        for n in ints(args.serving_streams):
+            for fl in (False, True):
+                r = guarded(res["serving_memory"], {}, lambda: serving_memory(codec32, dev, n, args.max_call_streams, fl))
+                if "error" not in r:
+                    log(f"serving memory, {n} streams, first lane {fl}: decode resident "
+                        f"{r['decode_resident_gib']:.3f} GiB (decode weights {r['decode_weights_gib']:.3f}, "
+                        f"state slots {r['state_slots_gib']:.3f}, streamer {r['streamer_allocated_gib']:.3f}, "
+                        f"warm-up {r['warmup_allocated_gib']:.3f} alloc / total reserved {r['reserved_total_gib']:.3f}; "
+                        f"encoder weights {r['encode_weights_gib']:.3f} apart) {json.dumps(r['lanes'])}")
 
     # ---------------------------------------------------------------- exactness
     if "exactness" not in skip:

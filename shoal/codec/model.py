@@ -92,6 +92,11 @@ class Decoder(StreamingModule):
         # kernels: False (none), "all", or "k1" (only the k=1 convs' residual + Snake epilogues;
         # the dilated k=7 convs write their output and the separate Snake kernel follows)
         self.snake_epilogue: bool | str = False
+        # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
+        # run over groups of streams holding at most N decoder-input positions (streams x 4 x
+        # frames) at a time, so a call's activation peak -- and the memory a CUDA graph of it
+        # keeps -- is that of an N-position call, whatever the batch. None: one group.
+        self.group_positions: int | None = None
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if self.fused:
@@ -99,6 +104,34 @@ class Decoder(StreamingModule):
                 return self._forward_triton(x, state)
             return self._forward_fused(x, state)
         return self.model(x, state)
+
+    def row_groups(self, batch: int, positions: int) -> list[tuple[int, int]]:
+        """Row ranges ``[(r0, r1), ...]`` a call of ``batch`` streams x ``positions`` input
+        positions runs its high-rate blocks in (one range when it fits ``group_positions``)."""
+        n = self.group_positions
+        if not n or batch <= 1 or batch * positions <= n:
+            return [(0, batch)]
+        per = max(1, n // max(1, positions))
+        return [(r, min(batch, r + per)) for r in range(0, batch, per)]
+
+    @staticmethod
+    def _rows(state: StreamState | None, r0: int, r1: int) -> StreamState | None:
+        return None if state is None else state.select(slice(r0, r1))  # views: writes land in place
+
+    def _grouped(self, x: Tensor, state: StreamState | None, head, tail) -> Tensor:
+        """``tail(head(x, state), state)`` with ``tail`` run per row group on row views of the
+        carry and of ``state``, each group's audio written into one output."""
+        carry = head(x, state)
+        groups = self.row_groups(x.shape[0], x.shape[-1])
+        if len(groups) == 1:
+            return tail(carry, state)
+        out = None
+        for r0, r1 in groups:
+            part = tail(tuple(None if c is None else c[r0:r1] for c in carry), self._rows(state, r0, r1))
+            if out is None:
+                out = part.new_empty((x.shape[0],) + tuple(part.shape[1:]))
+            out[r0:r1] = part
+        return out
 
     @property
     def triton_conv(self) -> bool:
@@ -127,14 +160,33 @@ class Decoder(StreamingModule):
         m = self.model
         if x.shape[1] > 1:
             x = x.transpose(1, 2).contiguous().transpose(1, 2)
-        h = m[0](x, state)
         blocks = list(m[1:-3])
+        split = min(1, len(blocks))
+
+        def head(x, state):
+            h = m[0](x, state)
+            first_ct = blocks[0].block[1]
+            buf = first_ct.input_buffer(h, h.shape[-1])
+            first_ct.fill_context(buf, state)
+            snake_op(h, blocks[0].block[0].alpha, out=buf[..., 1:])
+            return (self._triton_blocks(blocks, 0, split, buf, state),)
+
+        def tail(carry, state):
+            buf = self._triton_blocks(blocks, split, len(blocks), carry[0], state)
+            final_conv = m[-2]
+            final_conv._save_context(buf, state)
+            return torch.tanh(final_conv._conv(buf))
+
+        return self._grouped(x, state, head, tail)
+
+    def _triton_blocks(self, blocks: list, start: int, stop: int, buf: Tensor, state: StreamState | None) -> Tensor:
+        """Blocks ``start:stop`` of :meth:`_forward_triton`: ``buf`` is block ``start``'s
+        transposed-conv input (context + Snake'd samples); returns the next conv's input
+        buffer (the next block's, or the final conv's)."""
+        m = self.model
         final_sn, final_conv = m[-3], m[-2]
-        first_ct = blocks[0].block[1]
-        buf = first_ct.input_buffer(h, h.shape[-1])
-        first_ct.fill_context(buf, state)
-        snake_op(h, blocks[0].block[0].alpha, out=buf[..., 1:])
-        for bi, blk in enumerate(blocks):
+        for bi in range(start, stop):
+            blk = blocks[bi]
             ct, units = blk.block[1], [u.block for u in list(blk.block)[2:]]
             ct.save_context(buf, state)
             y = ct.gemm_forward(buf)
@@ -172,8 +224,7 @@ class Decoder(StreamingModule):
                                  snake_alpha=alpha, snake_out=body, write_out=h_new is not None)
                 h, cbuf = h_new, nbuf
             buf = cbuf
-        final_conv._save_context(buf, state)
-        return torch.tanh(final_conv._conv(buf))
+        return buf
 
     def _forward_fused(self, x: Tensor, state: StreamState | None) -> Tensor:
         """The same computation as ``self.model`` with fewer passes over the activations.
@@ -187,9 +238,24 @@ class Decoder(StreamingModule):
         m = self.model
         if self.channels_last and x.shape[1] > 1:
             x = x.transpose(1, 2).contiguous().transpose(1, 2)
-        h = m[0](x, state)
-        pending: Tensor | None = None  # branch output still to be added to the residual stream h
-        for blk in m[1:-3]:
+        blocks = list(m[1:-3])
+        split = min(1, len(blocks))
+
+        def head(x, state):
+            # pending: branch output still to be added to the residual stream h
+            return self._fused_blocks(blocks[:split], m[0](x, state), None, state)
+
+        def tail(carry, state):
+            h, pending = self._fused_blocks(blocks[split:], carry[0], carry[1], state)
+            out, _ = m[-2].snake_conv(h, m[-3].alpha, state, y=pending)
+            return torch.tanh(out)
+
+        return self._grouped(x, state, head, tail)
+
+    def _fused_blocks(self, blocks: list, h: Tensor, pending: Tensor | None,
+                      state: StreamState | None) -> tuple[Tensor, Tensor | None]:
+        """``blocks`` of :meth:`_forward_fused` on the residual stream ``h`` (+ ``pending``)."""
+        for blk in blocks:
             sn, ct, units = blk.block[0], blk.block[1], list(blk.block)[2:]
             s, _ = snake_op(h, sn.alpha, pending)
             y = ct.forward_nobias(s, state)
@@ -202,8 +268,7 @@ class Decoder(StreamingModule):
                     a, h = conv7.snake_conv(h, snake1.alpha, state, y=pending, h_out=h_new)
                 s2, _ = snake_op(a, snake2.alpha)
                 pending = conv1(s2)
-        out, _ = m[-2].snake_conv(h, m[-3].alpha, state, y=pending)
-        return torch.tanh(out)
+        return h, pending
 
 
 class VectorQuantize(nn.Module):
@@ -459,7 +524,8 @@ class Codec(nn.Module):
         return self.quantizer.decode(self._check_codes(codes), state, rope)
 
     def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
-                          triton_conv: bool | None = None, snake_epilogue: bool | str | None = None) -> "Codec":
+                          triton_conv: bool | None = None, snake_epilogue: bool | str | None = None,
+                          group_positions: int | None | bool = False) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -472,8 +538,15 @@ class Codec(nn.Module):
         Snake computed in the epilogue of the conv before it instead of by the separate fused
         Snake kernel (``Decoder._forward_triton``; same numbers); ``"k1"``: only the k=1 convs'
         (residual add, new residual stream and the next Snake in one epilogue), the k=7 convs'
-        Snakes stay separate kernels.
+        Snakes stay separate kernels. ``group_positions``: the decoder's blocks after the first
+        run over groups of streams of at most this many input positions (streams x 4 x frames;
+        ``None``: no groups; left unchanged when not given): the same numbers, a bounded
+        activation peak (see ``Decoder.row_groups``).
         """
+        if group_positions is not False:
+            if group_positions is not None and int(group_positions) < 1:
+                raise ValueError(f"group_positions must be >= 1 or None, got {group_positions!r}")
+            self.decoder.group_positions = None if group_positions is None else int(group_positions)
         if snake_epilogue is not None:
             if isinstance(snake_epilogue, str):
                 key = snake_epilogue.strip().lower()

@@ -357,11 +357,28 @@ def snake_epilogue_mode() -> bool | str:
     raise ValueError(f"SHOAL_CODEC_CONV_EPILOGUE must be k1, 1 (all) or 0 (none), got {v!r}")
 
 
+def group_positions_default() -> int | None:
+    """The serving decoder's row-group size, ``SHOAL_CODEC_GROUP_POSITIONS``: the decoder's
+    high-rate blocks run over groups of streams holding at most this many input positions
+    (streams x 4 x frames; default 1024, i.e. 8 streams x 32 frames), which bounds what a call
+    -- and the CUDA-graph pool that records it -- keeps of activations; ``0`` turns it off."""
+    v = os.environ.get("SHOAL_CODEC_GROUP_POSITIONS", "1024").strip()
+    try:
+        n = int(v or 0)
+    except ValueError:
+        raise ValueError(f"SHOAL_CODEC_GROUP_POSITIONS must be an integer, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"SHOAL_CODEC_GROUP_POSITIONS must be >= 0, got {n}")
+    return n or None
+
+
 def configure_serving_layout(codec: Codec) -> str:
     """Put the codec's decoder in the layout serving uses (see :func:`serving_decoder`); returns
     it: "triton" (Triton implicit-GEMM convs, channels-last), "cudnn-cl" or "cudnn"."""
     from ..kernels.codec_conv import codec_conv_enabled
 
+    if codec.device.type == "cuda":
+        codec.configure_serving(group_positions=group_positions_default())
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())

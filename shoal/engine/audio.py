@@ -82,7 +82,9 @@ class AudioStreamer:
         # all frames in, remaining chunks still to decode (a dict: kept in finishing order)
         self.finishing: dict[str, None] = {}
         self._done: list[str] = []
-        self.decoder = serving_decoder(codec, max_batch=max_streams)  # CUDA graphs on GPU, else eager
+        # CUDA graphs on GPU, else eager; buckets up to the largest call (no graph for a batch
+        # no call ever has: the bucket sets what the graphs keep of state and activations)
+        self.decoder = serving_decoder(codec, max_batch=min(max_call_streams or max_streams, max_streams))
         self.sample_rate = codec.sample_rate
         self.device = next(codec.parameters()).device
         self.state = self.decoder.new_state(max_streams)
