@@ -268,6 +268,65 @@ def test_graph_code_path_pooled_rows(codec):
 
 
 @golden
+@pytest.mark.parametrize("group_positions", [None, 16])
+def test_bound_decoder_decodes_pool_rows_in_place(codec, group_positions):
+    """A decoder bound to the streamer's slot pool records its graphs over the pool's rows
+    (no state copy of its own): its code path equals eager decode_rows on a copy of the pool,
+    with padded buckets, row groups and KV eviction; rows it was not given are untouched but
+    the scratch row; an unbound state runs eagerly."""
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+    from shoal.codec.layers import IndexedState
+
+    codec.configure_serving(group_positions=group_positions)
+    try:
+        _bound_decoder_case(codec)
+    finally:
+        codec.configure_serving(group_positions=None)
+
+
+def _bound_decoder_case(codec):
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+    from shoal.codec.layers import IndexedState
+
+    eager = StreamingDecoder(codec)
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8))
+    pool_g = gd.new_state(7)  # 6 stream rows + the scratch row
+    gd.bind(pool_g, 6)
+    assert gd._static_state is None  # a bound decoder keeps no state rows of its own
+    pool_e = eager.new_state(7)
+    codes = random_codes(140, seed=13, batch=3)  # > window 128: KV eviction
+    idx = torch.tensor([5, 0, 2])
+    untouched = {k: v[[1, 3, 4]].clone() for k, v in pool_g.tensors.items()}
+    i = 0
+    for n, t in [(3, 8), (2, 4), (3, 8)] * 6 + [(3, 4), (1, 8)]:  # 3 -> bucket 4 (padding), 2 exact, 1
+        a = eager.decode_rows(codes[:n, :, i:i + t], pool_e, idx[:n])
+        b = gd.run_static(codes[:n, :, i:i + t], pool_g, idx[:n])
+        assert (a - b).abs().max() <= 1e-5
+        if n == 3:
+            i += t
+        else:  # the other rows caught up next call: decode them the same frames
+            a = eager.decode_rows(codes[n:3, :, i:i + t], pool_e, idx[n:3])
+            b = gd.run_static(codes[n:3, :, i:i + t], pool_g, idx[n:3])
+            assert (a - b).abs().max() <= 1e-5
+            i += t
+    for k in pool_e.tensors:
+        assert (pool_e.tensors[k][idx].float() - pool_g.tensors[k][idx].float()).abs().max() <= 1e-4, k
+        assert torch.equal(pool_g.tensors[k][[1, 3, 4]], untouched[k]), k
+    assert pool_g.bounds == pool_e.bounds
+    # row groups over an indexed view select rows of the index
+    view = IndexedState(pool_g, torch.tensor([4, 1, 3]))
+    assert view.select(slice(1, 3)).index.tolist() == [1, 3] and view.nbytes() == 0
+    with pytest.raises(TypeError):
+        view["x"] = torch.zeros(1)
+    with pytest.raises(RuntimeError):  # graphs exist: too late to re-bind
+        gd.graphs[(4, 4)] = object()
+        gd.bind(pool_g, 6)
+    gd.graphs.clear()
+    with pytest.raises(ValueError):
+        gd.bind(pool_g, 7)
+
+
+@golden
 def test_graphed_decoder_falls_back_to_eager_on_cpu(codec):
     from shoal.codec import GraphedStreamingDecoder, StreamingDecoder, serving_decoder
 

@@ -32,6 +32,7 @@ from .config import TransformerConfig
 
 __all__ = [
     "StreamState",
+    "IndexedState",
     "StreamingModule",
     "Seq",
     "Snake",
@@ -102,6 +103,10 @@ class StreamState:
     # mapping access used by the layers
     def __getitem__(self, key: str) -> Tensor:
         return self.tensors[key]
+
+    def store(self, key: str, value: Tensor) -> None:
+        """Write a stream module's new carried state for ``key`` (every row, in place)."""
+        self.tensors[key].copy_(value)
 
     def __setitem__(self, key: str, value: Tensor) -> None:
         self.tensors[key] = value
@@ -190,6 +195,50 @@ class StreamState:
 
     def __repr__(self) -> str:
         return f"StreamState(batch={self.batch_size}, tensors={len(self.tensors)}, bytes={self.nbytes()})"
+
+
+class IndexedState(StreamState):
+    """Rows ``index`` of a state ``pool``, read and written in place: a module's read gathers
+    its key's rows (a temporary of that key alone), its write scatters them back. What a CUDA
+    graph of the serving decoder records over the streamer's slot pool, so no second copy of
+    the streams' state (the codec transformer's KV windows: 4.2 MB per stream) is kept for the
+    graphs. ``bounds`` is this view's own (host-side) dict; the caller updates the pool's.
+    Rows of ``index`` must be distinct, except rows whose results nobody reads (padding rows
+    pointing at a scratch row)."""
+
+    def __init__(self, pool: StreamState, index: Tensor, bounds: dict[str, int] | None = None):
+        super().__init__({}, dict(pool.bounds if bounds is None else bounds))
+        self.pool = pool
+        self.index = index
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.pool.tensors[key].index_select(0, self.index)
+
+    def store(self, key: str, value: Tensor) -> None:
+        dst = self.pool.tensors[key]
+        dst.index_copy_(0, self.index, value.to(dst.dtype))
+
+    def __setitem__(self, key: str, value: Tensor) -> None:
+        raise TypeError("an IndexedState is written through store()")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.pool.tensors
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.index.shape[0])
+
+    def select(self, index) -> "IndexedState":
+        """The view of rows ``index`` of this view (slices of the index: no copy of state)."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long, device=self.index.device)
+        return IndexedState(self.pool, self.index[index], self.bounds)
+
+    def nbytes(self) -> int:
+        return 0  # holds no state of its own
+
+    def __repr__(self) -> str:
+        return f"IndexedState(rows={self.batch_size}, pool={self.pool!r})"
 
 
 def _as_index(index, state: StreamState) -> Tensor:
@@ -303,7 +352,7 @@ class CausalConv1d(StreamingModule):
 
     def _save_context(self, buf: Tensor, state: StreamState | None) -> None:
         if state is not None and self.padding:
-            state[self.state_key].copy_(buf[..., buf.shape[-1] - self.padding:])
+            state.store(self.state_key, buf[..., buf.shape[-1] - self.padding:])
 
     def snake_conv(self, x: Tensor, alpha: Tensor, state: StreamState | None = None, y: Tensor | None = None,
                    bias: Tensor | None = None, h_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -396,7 +445,7 @@ class CausalConvTranspose1d(StreamingModule):
 
     def save_context(self, buf: Tensor, state: StreamState | None) -> None:
         if state is not None:
-            state[self.state_key].copy_(buf[..., buf.shape[-1] - 1:])
+            state.store(self.state_key, buf[..., buf.shape[-1] - 1:])
 
     def gemm_forward(self, buf: Tensor) -> Tensor:
         """The causal output without bias, [B, C_out, stride * L] (channels-last memory), from a
@@ -431,7 +480,7 @@ class CausalConvTranspose1d(StreamingModule):
             y = F.conv_transpose1d(x, self.conv.weight, None, self.stride)
         if self.trim and state is not None:
             y[..., : self.trim] += state[self.state_key]
-            state[self.state_key].copy_(y[..., n:])
+            state.store(self.state_key, y[..., n:])
         return y[..., :n]
 
     def init_stream_state(self, batch_size, device, dtype):
@@ -686,15 +735,15 @@ class WindowLimitedTransformer(StreamingModule):
         mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
-            ck, cv = state[f"{key}.layers.{i}.k"], state[f"{key}.layers.{i}.v"]
-            k = torch.cat([ck.to(k.dtype), k], dim=2)
-            v = torch.cat([cv.to(v.dtype), v], dim=2)
-            ck.copy_(k[:, :, k.shape[2] - P:])
-            cv.copy_(v[:, :, v.shape[2] - P:])
+            kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
+            k = torch.cat([state[kk].to(k.dtype), k], dim=2)
+            v = torch.cat([state[vk].to(v.dtype), v], dim=2)
+            state.store(kk, k[:, :, k.shape[2] - P:])
+            state.store(vk, v[:, :, v.shape[2] - P:])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
-        pos.add_(t)
+        state.store(f"{key}.pos", pos + t)
         state.bounds[key] = bound
         return x
 

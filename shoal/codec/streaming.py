@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .layers import StreamState, rope_table
+from .layers import IndexedState, StreamState, rope_table
 from .model import Codec
 
 __all__ = ["DecoderState", "StreamingDecoder", "GraphedStreamingDecoder", "serving_decoder"]
@@ -183,7 +183,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self._bound_key = pm.state_key
         # every position a graph may see; held here so the graphs' pointer stays valid
         self.rope = rope_table(self.max_frames, pm.cfg.head_dim, pm.cfg.rope_base, codec.device)
-        self.static_state = super().new_state(self.batch_buckets[-1])
+        self._static_state: DecoderState | None = None  # allocated on first unbound use
+        # bound (see bind): graphs decode rows of one slot pool in place, through an index
+        self.pool: DecoderState | None = None
+        self.scratch_row: int | None = None
+        self._index: Tensor | None = None
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats = GraphStats()
         self._pool = None
@@ -195,6 +199,45 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self.capture_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ graph path
+    @property
+    def static_state(self) -> DecoderState:
+        """The graphs' own state rows (``max(batch_buckets)`` streams) of an unbound decoder."""
+        if self._static_state is None:
+            self._static_state = super().new_state(self.batch_buckets[-1])
+        return self._static_state
+
+    def bind(self, pool: DecoderState, scratch_row: int) -> None:
+        """Decode the rows of ``pool`` in place: every graph is recorded over an
+        :class:`IndexedState` of ``pool`` (a static index buffer says which rows), so the
+        graphs keep no state of their own. ``decode_rows(codes, pool, index)`` then replays
+        with ``index`` copied into the buffer; a bucket's padding rows all point at
+        ``scratch_row`` (a row of ``pool`` no stream uses; reset before each call). Must be
+        called before any graph is captured; ``pool`` must stay the same object."""
+        if self.graphs:
+            raise RuntimeError("bind() before the first graph is captured")
+        if not 0 <= scratch_row < pool.batch_size:
+            raise ValueError(f"scratch row {scratch_row} is not a row of the pool ({pool.batch_size} rows)")
+        self.pool, self.scratch_row = pool, int(scratch_row)
+        dev = next(iter(pool.tensors.values())).device
+        self._index = torch.full((self.batch_buckets[-1],), self.scratch_row, dtype=torch.long, device=dev)
+        self._static_state = None
+
+    def _bound_view(self, bb: int) -> IndexedState:
+        return IndexedState(self.pool, self._index[:bb], bounds={})
+
+    def _load_bound(self, codes_buf: Tensor, codes: Tensor, index: Tensor) -> None:
+        B = codes.shape[0]
+        codes_buf[:B].copy_(codes)
+        codes_buf[B:].zero_()
+        self._index[:B].copy_(index)
+        self._index[B:].fill_(self.scratch_row)
+        # the padding rows' stream: a fresh one each call (position 0, zero context)
+        for v in (self.pool.flat.values() if self.pool.flat is not None else self.pool.tensors.values()):
+            v[self.scratch_row].zero_()
+
+    def _is_bound_call(self, state: DecoderState, index: Tensor | None) -> bool:
+        return self.pool is not None and state is self.pool and index is not None
+
     def bucket(self, batch: int) -> int | None:
         for b in self.batch_buckets:
             if b >= batch:
@@ -233,17 +276,27 @@ class GraphedStreamingDecoder(StreamingDecoder):
 
     def run_static(self, codes: Tensor, state: DecoderState, index: Tensor | None = None) -> Tensor:
         """The graph's code path without capture (static buffers, padded bucket, fixed RoPE
-        table): what a replay computes. For tests and CPU."""
+        table; in place through the index for a bound decoder's pool): what a replay
+        computes. For tests and CPU."""
         B, _, t = codes.shape
         bb = self.bucket(B)
         if bb is None:
             raise ValueError(f"batch {B} exceeds the largest bucket {self.batch_buckets[-1]}")
         buf = torch.zeros(bb, codes.shape[1], t, dtype=torch.long, device=self.codec.device)
+        if self._is_bound_call(state, index):
+            self._load_bound(buf, codes, index.to(self._index.device, torch.long))
+            with torch.no_grad():
+                out = self._decode(buf, self._bound_view(bb), self.rope)
+            self._advance_bounds(state, t)
+            return out[:B].clone()
         self._load(buf, codes, state, index)
         with torch.no_grad():
             out = self._decode(buf, self._views(bb), self.rope)
         self._store(B, state, index, t)
         return out[:B].clone()
+
+    def _advance_bounds(self, state: DecoderState, t: int) -> None:
+        state.bounds[self._bound_key] = state.bounds.get(self._bound_key, 0) + t
 
     def _eager_reason(self, B: int, t: int, state: DecoderState) -> str | None:
         if not self.enabled:
@@ -269,7 +322,13 @@ class GraphedStreamingDecoder(StreamingDecoder):
         t0 = time.perf_counter()
         dev = self.codec.device
         codes = torch.zeros(bb, self.num_codebooks, t, dtype=torch.long, device=dev)
-        views = self._views(bb)
+        if self.pool is not None:
+            # warm-up and capture decode padding rows only (the scratch row), never a stream
+            self._index.fill_(self.scratch_row)
+            self._load_bound(codes, codes[:0], self._index[:0])
+            views = self._bound_view(bb)
+        else:
+            views = self._views(bb)
         side = self.capture_stream if self.capture_stream is not None else torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.no_grad():
@@ -315,6 +374,8 @@ class GraphedStreamingDecoder(StreamingDecoder):
         B, C, t = codes.shape if codes.dim() == 3 else (0, 0, 0)
         n_rows = state.batch_size if index is None else len(index)
         reason = self._eager_reason(B, t, state) if (B == n_rows and C == self.num_codebooks) else "shape"
+        if reason is None and self.pool is not None and not self._is_bound_call(state, index):
+            reason = "not the bound pool"  # the graphs are recorded over the pool's rows
         if reason is None:
             with self._lock:
                 try:
@@ -334,9 +395,14 @@ class GraphedStreamingDecoder(StreamingDecoder):
             g = self.graphs[(self.bucket(B), t)]
             if index is not None:
                 index = index.to(self.codec.device, torch.long)
-            self._load(g.codes, codes, state, index)
-            g.graph.replay()
-            self._store(B, state, index, t)
+            if self._is_bound_call(state, index):
+                self._load_bound(g.codes, codes, index)
+                g.graph.replay()
+                self._advance_bounds(state, t)
+            else:
+                self._load(g.codes, codes, state, index)
+                g.graph.replay()
+                self._store(B, state, index, t)
             self.stats.replays += 1
             return g.out[:B].clone()
 

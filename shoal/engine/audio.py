@@ -87,7 +87,7 @@ class AudioStreamer:
         self.decoder = serving_decoder(codec, max_batch=min(max_call_streams or max_streams, max_streams))
         self.sample_rate = codec.sample_rate
         self.device = next(codec.parameters()).device
-        self.state = self.decoder.new_state(max_streams)
+        self.max_streams = max_streams
         self.free_rows = list(range(max_streams - 1, -1, -1))
         self.rows: dict[str, int] = {}
         self.pending: dict[str, list[np.ndarray]] = {}
@@ -111,6 +111,12 @@ class AudioStreamer:
             dec = serving_decoder(codec, max_batch=first_calls, chunk_frames=sizes)
             self.first = _Lane("first", dec)
         self.lanes = [lane for lane in (self.first, self.bulk) if lane is not None]
+        # the streams' state slots; a graphed lane decodes its rows in place (no state copy
+        # of its own) and gets a scratch row past the streams' for its padding rows
+        bound = [lane for lane in self.lanes if hasattr(lane.decoder, "bind") and lane.decoder.enabled]
+        self.state = self.decoder.new_state(max_streams + len(bound))
+        for i, lane in enumerate(bound):
+            lane.decoder.bind(self.state, max_streams + i)
 
     def _row(self, rid: str, schedule: ChunkSchedule | None = None) -> int:
         row = self.rows.get(rid)

@@ -164,6 +164,7 @@ class Engine:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
                 streamer.warmup()
+                torch.cuda.empty_cache()  # the eager warm-up calls' blocks go back before sizing
         self.kv_cache_dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache,
