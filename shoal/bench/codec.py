@@ -295,7 +295,7 @@ def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane
     lanes = {}
     for lane in st.lanes:
         d = lane.decoder
-        ss = getattr(d, "static_state", None)
+        ss = getattr(d, "_static_state", None)
         lanes[lane.name] = {"buckets": list(getattr(d, "batch_buckets", ())),
                             "chunks": list(getattr(d, "chunk_frames", ())),
                             "graphs": len(getattr(d, "graphs", {})),

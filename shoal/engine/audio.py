@@ -111,10 +111,10 @@ class AudioStreamer:
             dec = serving_decoder(codec, max_batch=first_calls, chunk_frames=sizes)
             self.first = _Lane("first", dec)
         self.lanes = [lane for lane in (self.first, self.bulk) if lane is not None]
-        # the streams' state slots. With SHOAL_CODEC_BIND_POOL=1 a graphed lane decodes its rows
+        # the streams' state slots. A graphed lane (SHOAL_CODEC_BIND_POOL=0: off) decodes its rows
         # in place (no state copy of its own) and gets a scratch row past the streams' for its
-        # padding rows; opt-in until its GPU tests have run (tested on CPU only)
-        bind = os.environ.get("SHOAL_CODEC_BIND_POOL", "0").strip().lower() not in ("0", "", "false", "no", "off")
+        # padding rows (GPU test: tests/test_audio_lanes_gpu.py)
+        bind = os.environ.get("SHOAL_CODEC_BIND_POOL", "1").strip().lower() not in ("0", "", "false", "no", "off")
         bound = [lane for lane in self.lanes
                  if bind and hasattr(lane.decoder, "bind") and lane.decoder.enabled]
         self.state = self.decoder.new_state(max_streams + len(bound))
