@@ -230,8 +230,12 @@ class GraphedStreamingDecoder(StreamingDecoder):
         codes_buf[:B].copy_(codes)
         codes_buf[B:].zero_()
         self._index[:B].copy_(index)
-        self._index[B:].fill_(self.scratch_row)
-        # the padding rows' stream: a fresh one each call (position 0, zero context)
+        self._reset_scratch(B)
+
+    def _reset_scratch(self, start: int = 0) -> None:
+        """Index entries from ``start`` on point at the scratch row, made a fresh stream
+        (position 0, zero context): what the padding rows decode."""
+        self._index[start:].fill_(self.scratch_row)
         for v in (self.pool.flat.values() if self.pool.flat is not None else self.pool.tensors.values()):
             v[self.scratch_row].zero_()
 
@@ -272,7 +276,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
                 v.copy_(src)
             else:
                 v.index_copy_(0, index, src)
-        state.bounds[self._bound_key] = state.bounds.get(self._bound_key, 0) + t
+        self._advance_bounds(state, t)
 
     def run_static(self, codes: Tensor, state: DecoderState, index: Tensor | None = None) -> Tensor:
         """The graph's code path without capture (static buffers, padded bucket, fixed RoPE
@@ -324,8 +328,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         codes = torch.zeros(bb, self.num_codebooks, t, dtype=torch.long, device=dev)
         if self.pool is not None:
             # warm-up and capture decode padding rows only (the scratch row), never a stream
-            self._index.fill_(self.scratch_row)
-            self._load_bound(codes, codes[:0], self._index[:0])
+            self._reset_scratch()
             views = self._bound_view(bb)
         else:
             views = self._views(bb)
