@@ -305,10 +305,14 @@ class FastCacheBackend:
         out = fast_decode_attention(q[:, 0], self.k[layer, :B], self.v[layer, :B], self.position + 1)
         return out[:, None]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        B, p = q.shape[0], self.position
+    def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
+        B, p = k.shape[0], self.position
         self.k[layer, :B, p] = k[:, 0]
         self.v[layer, :B, p] = v[:, 0]
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, p = q.shape[0], self.position
+        self.write_kv(layer, k, v)
         kc = self.k[layer, :B, : p + 1].transpose(1, 2)
         vc = self.v[layer, :B, : p + 1].transpose(1, 2)
         return F.scaled_dot_product_attention(q.transpose(1, 2), kc, vc,

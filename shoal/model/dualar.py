@@ -180,9 +180,14 @@ class DualAR(nn.Module):
                 ff.w3.weight = nn.Parameter(w13[inter:], requires_grad=False)
 
     def _layers_fused(self, x: Tensor, layers: nn.ModuleList, positions: Tensor, rope: Tensor,
-                      backend) -> tuple[Tensor, Tensor]:
-        """Run ``layers`` with fused kernels; returns (last hidden h, h's final residual sum).
-        Numerically the same sequence as Block.forward (same roundings)."""
+                      backend, *, final_norm: Tensor | None = None,
+                      kv_only_last: bool = False) -> Tensor | tuple[Tensor, Tensor] | None:
+        """Run ``layers`` with fused kernels and return the last hidden state [B, S, D].
+        Numerically the same sequence as Block.forward (same roundings).
+
+        ``final_norm`` (a norm weight): the last residual add runs fused with that RMSNorm and
+        (normed [B*S, D], hidden [B, S, D]) is returned. ``kv_only_last``: the last layer only
+        writes its K/V (the positions' outputs are not read) and None is returned."""
         from ..kernels import fp8_fused
         from ..kernels.fp8 import silu_mul_quant
         from ..kernels.fused import add_rmsnorm, qk_norm_rope_write, silu_mul
@@ -210,6 +215,8 @@ class DualAR(nn.Module):
                                    att.k_norm.weight if sh.qk_norm else None, eps,
                                    k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim,
                                    k_scale=k_scale, v_scale=v_scale)
+            if kv_only_last and i + 1 == len(layers):
+                return None  # K/V written; attention, wo and the MLP would feed nothing
             y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
             ff = layer.feed_forward
             if fp8:
@@ -232,6 +239,9 @@ class DualAR(nn.Module):
                     h, act = fp8_fused.norm_quant(f, h, layers[i + 1].attention_norm.weight, eps)
                 else:
                     normed, h = add_rmsnorm(f, h, layers[i + 1].attention_norm.weight, eps)
+            elif final_norm is not None:
+                normed, h = add_rmsnorm(f, h, final_norm, eps)
+                return normed, h.view(B, S, D)
             else:
                 h = h + f
         return h.view(B, S, D)
@@ -255,8 +265,13 @@ class DualAR(nn.Module):
         ``head``: "full" (whole vocabulary), "allowed" (see :meth:`set_allowed_tokens`) or None.
         """
         x = self.embed(grid)
+        normed = None
         if self._use_fused(backend):
-            x = self._layers_fused(x, self.layers, positions, self.slow_rope, backend)
+            if grid.shape[-1] == 1:  # decode: the last residual add fused with the final norm
+                normed, x = self._layers_fused(x, self.layers, positions, self.slow_rope, backend,
+                                               final_norm=self.norm.weight)
+            else:
+                x = self._layers_fused(x, self.layers, positions, self.slow_rope, backend)
         else:
             cos_sin = self.slow_rope[positions]
             for i, layer in enumerate(self.layers):
@@ -266,7 +281,8 @@ class DualAR(nn.Module):
             last = x[:, -1]
         else:
             last = x[torch.arange(B, device=x.device), last_index]
-        normed = self._final_norm(last, self.norm, self._use_fused(backend))
+        if normed is None:
+            normed = self._final_norm(last, self.norm, self._use_fused(backend))
         if head == "full":
             logits = self.slow_head(normed)
         elif head == "allowed":
@@ -284,19 +300,27 @@ class DualAR(nn.Module):
         The backend must be bound to positions ``[[position]] * B``."""
         h = x.unsqueeze(1)
         fused = self._use_fused(backend)
+        kv_only = n_out == 0  # nothing reads the last layer's output: it only writes its K/V
         if fused:
             table = getattr(backend, "fused_positions", None)
             pos = (table() if table is not None
                    else torch.full((h.shape[0], 1), position, dtype=torch.long, device=h.device))
-            h = self._layers_fused(h, self.fast_layers, pos, self.fast_rope, backend)
+            out = self._layers_fused(h, self.fast_layers, pos, self.fast_rope, backend,
+                                     final_norm=None if kv_only else self.fast_norm.weight,
+                                     kv_only_last=kv_only)
+            if kv_only:
+                return None
+            normed = out[0]
         else:
             cos_sin = self.fast_rope[position].expand(h.shape[0], 1, *self.fast_rope.shape[1:])
+            last = len(self.fast_layers) - 1
             for i, layer in enumerate(self.fast_layers):
+                if kv_only and i == last:
+                    layer.write_kv(h, cos_sin, backend, i)
+                    return None
                 h = layer(h, cos_sin, backend, i)
-        if n_out == 0:
-            return None
+            normed = self._final_norm(h[:, 0], self.fast_norm, fused)
         head = self.fast_output
-        normed = self._final_norm(h[:, 0], self.fast_norm, fused)
         if hasattr(head, "weight_q") and head.use_kernels(normed):  # FP8 head (shoal.quant)
             from ..kernels.fp8 import fp8_linear
 

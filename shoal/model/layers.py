@@ -85,6 +85,26 @@ class Attention(nn.Module):
         y = backend.attend(layer, q, k, v)
         return self.wo(y.reshape(B, S, sh.q_size))
 
+    def write_kv(self, x: Tensor, cos_sin: Tensor, backend: AttentionBackend, layer: int) -> None:
+        """Only this layer's K/V writes for ``x`` (what a later position reads of it): for a
+        position whose output nothing reads. Backends without ``write_kv`` attend as usual
+        and the output is dropped."""
+        B, S, _ = x.shape
+        sh = self.shape
+        q, k, v = self.wqkv(x).split([sh.q_size, sh.kv_size, sh.kv_size], dim=-1)
+        k = k.view(B, S, sh.n_local_heads, sh.head_dim)
+        v = v.view(B, S, sh.n_local_heads, sh.head_dim)
+        if sh.qk_norm:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos_sin)
+        if hasattr(backend, "write_kv"):
+            backend.write_kv(layer, k, v)
+            return
+        q = q.view(B, S, sh.n_head, sh.head_dim)
+        if sh.qk_norm:
+            q = self.q_norm(q)
+        backend.attend(layer, apply_rope(q, cos_sin), k, v)
+
 
 class FeedForward(nn.Module):
     def __init__(self, shape: TransformerShape) -> None:
@@ -108,3 +128,7 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos_sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos_sin, backend, layer)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def write_kv(self, x: Tensor, cos_sin: Tensor, backend: AttentionBackend, layer: int) -> None:
+        """The K/V writes of :meth:`forward` alone (its output is not computed)."""
+        self.attention.write_kv(self.attention_norm(x), cos_sin, backend, layer)

@@ -69,16 +69,30 @@ class StaticKVCache:
         y = F.scaled_dot_product_attention(qs.transpose(1, 2), keys, vals, attn_mask=self._mask)
         return y.transpose(1, 2).to(q.dtype)
 
-    def _write_read(self, layer: int, rows: Tensor, cache: Tensor, scales: Tensor | None, x: Tensor) -> Tensor:
-        """Store x at (rows, positions) of ``cache[layer]``; return the live context of the
-        bound rows as [B, Hkv, kv, D] (dequantized to fp32 for an FP8 cache)."""
+    def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Store this forward's K/V at the bound (rows, positions), reading nothing."""
+        assert self._positions is not None and self._rows is not None, "bind() before forward"
+        rows = self._rows[:, None].expand_as(self._positions)
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            self._store(layer, rows, cache, scales, x)
+
+    def _store(self, layer: int, rows: Tensor, cache: Tensor, scales: Tensor | None, x: Tensor) -> None:
         if scales is None:
             cache[layer][rows, self._positions] = x
-            return cache[layer][self._rows, : self._kv_len].transpose(1, 2)
-        from ..quant.kv import dequantize_kv, quantize_kv
+            return
+        from ..quant.kv import quantize_kv
 
         xq, xs = quantize_kv(x)
         cache[layer].view(torch.uint8)[rows, self._positions] = xq.view(torch.uint8)  # no fp8 index_put on CPU
         scales[layer][rows, self._positions] = xs
+
+    def _write_read(self, layer: int, rows: Tensor, cache: Tensor, scales: Tensor | None, x: Tensor) -> Tensor:
+        """Store x at (rows, positions) of ``cache[layer]``; return the live context of the
+        bound rows as [B, Hkv, kv, D] (dequantized to fp32 for an FP8 cache)."""
+        self._store(layer, rows, cache, scales, x)
+        if scales is None:
+            return cache[layer][self._rows, : self._kv_len].transpose(1, 2)
+        from ..quant.kv import dequantize_kv
+
         return dequantize_kv(cache[layer][self._rows, : self._kv_len],
                              scales[layer][self._rows, : self._kv_len]).transpose(1, 2)

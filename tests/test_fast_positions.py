@@ -1,0 +1,100 @@
+"""The fast transformer's position 0 and its head, on the engine's fast cache.
+
+Position 0 (the slow hidden state) only fills the fast KV cache: nothing reads its output, so
+the last fast layer writes its K/V and stops there (no attention, wo or MLP). The last
+residual add runs fused with the final norm on the fused path. Both must leave every K/V
+entry and every logit exactly as the full computation gives them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.bench.random_model import random_dualar, tiny_config
+from shoal.model import dualar
+from shoal.engine.attention import FastCacheBackend
+
+
+def _backend(model, rows):
+    sh = model.config.fast
+    fb = FastCacheBackend(sh.n_layer, rows, model.config.num_codebooks, sh.n_head, sh.n_local_heads,
+                          sh.head_dim, model.dtype, model.device)
+    fb._rows = rows
+    return fb
+
+
+def _full_position(model, x, fb, position):
+    """Every fast layer run whole at ``position`` (the plain Block code), output dropped."""
+    h = x.unsqueeze(1)
+    cos_sin = model.fast_rope[position].expand(h.shape[0], 1, *model.fast_rope.shape[1:])
+    for i, layer in enumerate(model.fast_layers):
+        h = layer(h, cos_sin, fb, i)
+    return h
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return random_dualar(tiny_config(256), "cpu", torch.float32, seed=3)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_position_zero_writes_the_same_kv_without_the_last_layers_output(model, fused, monkeypatch):
+    rows = 3
+    x = torch.randn(rows, model.config.fast.dim)
+    ref = _backend(model, rows)
+    _full_position(model, x, ref, 0)
+
+    # every weight a projection reads, on either path (module calls and the fused path's GEMMs)
+    used = []
+    real_linear, real_swiglu = dualar._linear, dualar.dense_swiglu
+    monkeypatch.setattr(dualar, "_linear", lambda mod, a: (used.append(mod.weight), real_linear(mod, a))[1])
+    monkeypatch.setattr(dualar, "dense_swiglu", lambda a, w13: (used.append(w13), real_swiglu(a, w13))[1])
+    last = model.fast_layers[-1]
+    hooks = [m.register_forward_hook(lambda m, *a: used.append(m.weight))
+             for m in (last.attention.wo, last.feed_forward.w1, last.feed_forward.w2)]
+    model.enable_fused_kernels(fused)
+    try:
+        fb = _backend(model, rows)
+        fb.position = 0
+        assert model.forward_fast(x, 0, fb, n_out=0) is None
+    finally:
+        model.enable_fused_kernels(False)
+        for h in hooks:
+            h.remove()
+    assert any(w is last.attention.wqkv.weight for w in used) == fused  # the fused path was taken
+    skipped = [last.attention.wo.weight, last.feed_forward.w1.weight, last.feed_forward.w2.weight]
+    skipped += [last.feed_forward.w13] if fused else []
+    assert not [w for w in used if any(w is s for s in skipped)]  # stopped after the K/V write
+    assert torch.equal(fb.k[:, :rows, 0], ref.k[:, :rows, 0])
+    assert torch.equal(fb.v[:, :rows, 0], ref.v[:, :rows, 0])
+    assert fb.k[:, :rows, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fast_logits_after_the_kv_only_position_equal_the_full_computation(model, fused):
+    rows, C = 2, model.config.num_codebooks
+    torch.manual_seed(1)
+    xs = [torch.randn(rows, model.config.fast.dim) for _ in range(3)]
+    ref = _backend(model, rows)
+    want = []
+    for k, x in enumerate(xs):
+        ref.position = k
+        h = _full_position(model, x, ref, k)
+        want.append(model.fast_output(model.fast_norm(h[:, 0])))
+
+    model.enable_fused_kernels(fused)
+    try:
+        fb = _backend(model, rows)
+        got = []
+        for k, x in enumerate(xs):
+            fb.position = k
+            out = model.forward_fast(x, k, fb, n_out=0 if k == 0 else None)
+            if k:
+                got.append(out)
+    finally:
+        model.enable_fused_kernels(False)
+    assert C > 2
+    for k in (1, 2):
+        assert torch.equal(got[k - 1], want[k]), k
