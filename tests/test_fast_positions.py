@@ -98,3 +98,40 @@ def test_fast_logits_after_the_kv_only_position_equal_the_full_computation(model
     assert C > 2
     for k in (1, 2):
         assert torch.equal(got[k - 1], want[k]), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused Triton kernels)")
+def test_gpu_fused_kv_only_position_and_fused_final_norm_keep_the_bits():
+    """On the GPU's fused kernels (bf16): position 0 run K/V-only writes the bits the whole
+    position writes, and the head's input from the fused last add + norm equals the separate
+    add then norm."""
+    from shoal.kernels.fused import add_rmsnorm
+
+    model = random_dualar(tiny_config(256), "cuda", torch.bfloat16, seed=5)
+    model.enable_fused_kernels(True)
+    rows = 5
+    x = torch.randn(rows, model.config.fast.dim, device="cuda").bfloat16()
+    full, kv_only = _backend(model, rows), _backend(model, rows)
+    pos = torch.zeros(rows, 1, dtype=torch.long, device="cuda")
+    h = model._layers_fused(x.unsqueeze(1), model.fast_layers, pos, model.fast_rope, full)
+    assert model.forward_fast(x, 0, kv_only, n_out=0) is None
+    assert torch.equal(kv_only.k[:, :rows, 0], full.k[:, :rows, 0])
+    assert torch.equal(kv_only.v[:, :rows, 0], full.v[:, :rows, 0])
+
+    e = torch.randn(rows, model.config.fast.dim, device="cuda").bfloat16()
+    a, b, c = _backend(model, rows), _backend(model, rows), _backend(model, rows)
+    for fb in (a, b, c):
+        fb.k.copy_(full.k)
+        fb.v.copy_(full.v)
+        fb.position = 1
+    pos1 = torch.ones(rows, 1, dtype=torch.long, device="cuda")
+    h1 = model._layers_fused(e.unsqueeze(1), model.fast_layers, pos1, model.fast_rope, a)
+    want = add_rmsnorm(h1[:, 0], None, model.fast_norm.weight, model.config.norm_eps)[0]
+    want = want @ model.fast_output.weight.T
+    got = model.forward_fast(e, 1, b)
+    assert torch.equal(a.k, b.k) and h is not None
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()  # cuBLAS vs ours for the head
+    normed, _ = model._layers_fused(e.unsqueeze(1), model.fast_layers, pos1, model.fast_rope, c,
+                                    final_norm=model.fast_norm.weight)
+    sep = add_rmsnorm(h1[:, 0], None, model.fast_norm.weight, model.config.norm_eps)[0]
+    assert torch.equal(normed, sep)

@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                         "default: env SHOAL_AUDIO_SMS, else every SM)")
     p.add_argument("--max-running", type=int, default=128)
     p.add_argument("--audio", action="store_true", help="stream audio through the (random, real-size) codec")
+    p.add_argument("--audio-first", type=int, default=4,
+                   help="frames in each stream's first audio chunk (4 = the server's 'balanced' "
+                        "latency, 2 = its 'low')")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per engine step")
     p.add_argument("--block-size", type=int, default=None, help="KV-cache page size in tokens (default: the engine's)")
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"block_size": args.block_size} if args.block_size else {}),
         prefix_copy_partial=not args.no_prefix_copy, prefix_wait=not args.no_prefix_wait,
         kv_cache_dtype=kv_cache_dtype_arg(args.kv_cache_dtype),
-        audio_schedule=ChunkSchedule(first=4, growth=2.0, max_frames=32)))
+        audio_schedule=ChunkSchedule(first=args.audio_first, growth=2.0, max_frames=32)))
     t = time.perf_counter()
     engine.warmup()
     print(f"graphs captured in {time.perf_counter() - t:.1f} s", file=sys.stderr)
