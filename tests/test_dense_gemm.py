@@ -27,11 +27,6 @@ CASES = {  # name -> (M, N, K, config)
     "m3_split3_fused": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}),
     "m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),
     "m33_bm64_bk128": (33, 64, 512, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}),
-    # the first weight K block loaded before the PDL wait (the loop starts at the second)
-    "m1_preload": (1, 96, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "PRELOAD": True}),
-    "m17_preload_ragged_split2": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2,
-                                                "PRELOAD": True}),
-    "m3_preload_one_block": (3, 64, 64, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1, "PRELOAD": True}),
     "tma_m3_split3": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "TMA": True}),
     "tma_m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True}),
     "tma_tile_m40_ragged": (40, 70, 200, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True,
@@ -75,9 +70,6 @@ def _case(M, N, K, cfg):
     wide = torch.zeros(M, K + 64).bfloat16()
     wide[:, :K] = x
     flags["strided_rows"] = torch.equal(dense.dense_gemm_triton(wide[:, :K], w, config=cfg), y)
-    if cfg.get("PRELOAD"):  # the same products in the same order as the plain loop
-        plain = {k: v for k, v in cfg.items() if k != "PRELOAD"}
-        flags["preload_equals_plain"] = torch.equal(dense.dense_gemm_triton(x, w, config=plain), y)
     if cfg.get("KIND") == "streamk":
         # whole tiles: the plain kernel's bits; shared tiles: the exact integer case above;
         # every arrival counter back to 0 (the interpreter runs programs one at a time in
@@ -210,22 +202,6 @@ def test_prefetch_option_is_normalized():
     assert dense.finish_config({"BLOCK_K": 128, "PREFETCH": 32}, 2560)["PREFETCH"] == 0
 
 
-def test_env_overrides_reach_table_configs_only(monkeypatch):
-    """SHOAL_DENSE_PRELOAD / SHOAL_DENSE_PREFETCH (engine A/B runs) change the packaged
-    table's pointer-kernel configs; TMA configs keep neither (pointer kernel only)."""
-    entry = {"1": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
-             "64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "TMA": True}}
-    assert not dense._bucket(entry, 1, 2560)["PRELOAD"]
-    monkeypatch.setenv(dense.PRELOAD_ENV, "1")
-    monkeypatch.setenv(dense.PREFETCH_ENV, "512")
-    c = dense._bucket(entry, 1, 2560)
-    assert c["PRELOAD"] and c["PREFETCH"] == 512
-    t = dense._bucket(entry, 64, 2560)
-    assert not t["PRELOAD"] and t["PREFETCH"] == 0
-    monkeypatch.setenv(dense.PRELOAD_ENV, "0")
-    assert not dense._bucket(entry, 1, 2560)["PRELOAD"]
-
-
 def test_table_buckets_and_override(tmp_path):
     table = {"configs": {"64,256": {"4": {"BLOCK_M": 16, "SPLIT_K": 2}, "32": {"BLOCK_M": 32}, "128": None}}}
     (tmp_path / "dense_tuned.json").write_text(json.dumps(table))
@@ -351,9 +327,6 @@ def test_gpu_kernel_matches_reference(M, N, K):
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "TMA": True},
                 {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREFETCH": 1024},
-                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PRELOAD": True, "num_stages": 3},
-                {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "PRELOAD": True, "PREFETCH": 512,
-                 "num_stages": 3},
                 {"BLOCK_M": max(bm, 64), "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True,
                  "KIND": "tile"},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 132, "TMA": True},
@@ -362,9 +335,6 @@ def test_gpu_kernel_matches_reference(M, N, K):
                  "TMA": True}):
         y = dense.dense_gemm_triton(x, w, config=cfg)
         assert _rel(y, ref) <= 2.0 ** -7, cfg
-        if cfg.get("PRELOAD"):  # with PDL on the GPU: the pre-wait load, the same bits
-            plain = {k: v for k, v in cfg.items() if k not in ("PRELOAD", "PREFETCH")}
-            assert torch.equal(y, dense.dense_gemm_triton(x, w, config=plain)), cfg
     assert _rel(dense.dense_linear(x, w), ref) <= 2.0 ** -7  # the table's choice (or cuBLAS)
     torch.cuda.synchronize()
     from shoal.kernels import fp8
@@ -416,7 +386,6 @@ def test_gpu_cuda_graph_replay_bit_exact():
             {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "TMA": True},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PREFETCH": 512},
-            {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PRELOAD": True},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 132, "TMA": True}]
 
     def step():

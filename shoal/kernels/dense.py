@@ -190,7 +190,7 @@ if HAS_TRITON:
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                            FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False,
-                           PREFETCH: tl.constexpr = 0, PRELOAD: tl.constexpr = False):
+                           PREFETCH: tl.constexpr = 0):
         """Grid (n tiles, m tiles, SPLIT_K). Program (n, m, s) accumulates ``W[n tile, ks] @
         x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
         (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
@@ -198,35 +198,23 @@ if HAS_TRITON:
         UPCAST_DOT: see ``_dot_acc``. PREFETCH (with PDL):
         before waiting for the previous kernel, prefetch the first PREFETCH columns of this
         program's weight rows into L2 (the weights are never written by a kernel, so reading
-        them early is safe): the weight stream starts while the predecessor finishes. PRELOAD:
-        the first K block of the weight tile is loaded into registers before that wait (and
-        the loop starts at the second block): the same products in the same order."""
+        them early is safe): the weight stream starts while the predecessor finishes."""
         pid_n, pid_m, pid_k, offs_n, offs_m, offs_kk = _swap_tile(BLOCK_M, BLOCK_N, BLOCK_K)
         m_mask = offs_m < M
         n_mask = offs_n < N
         k_lo = pid_k * k_per_split
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_lo + offs_kk)[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_kk)[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        if PDL and (PREFETCH > 0 or PRELOAD):
+        if PDL and PREFETCH > 0:
             gdc_launch_dependents()
-            if PREFETCH > 0:
-                rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-                cols = tl.minimum(k_lo + tl.arange(0, PREFETCH // 64) * 64, K - 1)  # one per 128-byte line
-                _prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])
-            if PRELOAD:
-                w0 = _load_w(w_ptrs, n_mask, (k_lo + offs_kk) < K, EVEN_K, EVEN_N)
+            rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+            cols = tl.minimum(k_lo + tl.arange(0, PREFETCH // 64) * 64, K - 1)  # one per 128-byte line
+            _prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])
             gdc_wait()
         else:
             pdl_enter(PDL)
-            if PRELOAD:
-                w0 = _load_w(w_ptrs, n_mask, (k_lo + offs_kk) < K, EVEN_K, EVEN_N)
-        if PRELOAD:
-            a0 = _load_x(x_ptrs, m_mask, (k_lo + offs_kk) < K, EVEN_K)
-            acc = _dot_acc(w0, tl.trans(a0), acc, UPCAST_DOT)
-            w_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        for k0 in range(BLOCK_K if PRELOAD else 0, k_per_split, BLOCK_K):
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_lo + offs_kk)[None, :]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_kk)[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_per_split, BLOCK_K):
             w, a = _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, (k_lo + k0 + offs_kk) < K, EVEN_K, EVEN_N)
             acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
             w_ptrs += BLOCK_K
@@ -410,25 +398,6 @@ def finish_config(cfg: dict, K: int) -> dict:
     # wait, a power of two from 64 up to the program's K range; 0 = none
     pf = 0 if cfg.get("TMA") else min(int(cfg.get("PREFETCH") or 0), cfg["k_per_split"])
     cfg["PREFETCH"] = 1 << (pf.bit_length() - 1) if pf >= 64 else 0
-    cfg["PRELOAD"] = bool(cfg.get("PRELOAD")) and not cfg.get("TMA")  # pointer kernel only
-    return cfg
-
-
-PREFETCH_ENV = "SHOAL_DENSE_PREFETCH"  # weight columns per row prefetched before the PDL wait
-PRELOAD_ENV = "SHOAL_DENSE_PRELOAD"  # "1": first weight K block loaded before the PDL wait
-
-
-def _env_overrides(cfg: dict) -> dict:
-    """The packaged table's config with ``SHOAL_DENSE_PREFETCH`` / ``SHOAL_DENSE_PRELOAD``
-    applied (engine A/B runs of the pre-wait weight reads; neither changes any result)."""
-    pf, pre = os.environ.get(PREFETCH_ENV), os.environ.get(PRELOAD_ENV)
-    if pf is None and pre is None:
-        return cfg
-    cfg = dict(cfg)
-    if pf is not None:
-        cfg["PREFETCH"] = int(pf)
-    if pre is not None:
-        cfg["PRELOAD"] = pre not in ("0", "false", "no", "off", "")
     return cfg
 
 
@@ -446,7 +415,7 @@ def _bucket(entry: dict | None, M: int, K: int) -> dict | None:
     for b in sorted(int(m) for m in entry):
         if M <= b:
             cfg = entry[str(b)]
-            return finish_config(_env_overrides(cfg), K) if cfg else None
+            return finish_config(cfg, K) if cfg else None
     return None
 
 
@@ -540,7 +509,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
             x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
             EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
-            PREFETCH=prefetch, PRELOAD=cfg["PRELOAD"], **kw)
+            PREFETCH=prefetch, **kw)
     if split > 1 and counters is None:
         _launch_reduce(work, out, M, N, split)
     return out
