@@ -191,7 +191,7 @@ if HAS_TRITON:
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                            FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False,
                            PREFETCH: tl.constexpr = 0, SWIGLU_X: tl.constexpr = False,
-                           ACCURATE_EXP: tl.constexpr = True):
+                           ACCURATE_EXP: tl.constexpr = True, ONE_ROW: tl.constexpr = False):
         """Grid (n tiles, m tiles, SPLIT_K). Program (n, m, s) accumulates ``W[n tile, ks] @
         x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
         (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
@@ -222,9 +222,17 @@ if HAS_TRITON:
             k_mask = (k_lo + k0 + offs_kk) < K
             if SWIGLU_X:
                 w = _load_w(w_ptrs, n_mask, k_mask, EVEN_K, EVEN_N)
-                g = _load_x(x_ptrs, m_mask, k_mask, EVEN_K).to(tl.float32)
-                u = _load_x(x_ptrs + K, m_mask, k_mask, EVEN_K).to(tl.float32)
-                a = _swiglu_bf16(g, u, ACCURATE_EXP).to(tl.bfloat16)
+                if ONE_ROW:  # one token (M == 1, one token tile): the SiLU once per column
+                    kk = k_lo + k0 + offs_kk
+                    kmask = kk < K
+                    g1 = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+                    u1 = tl.load(x_ptr + K + kk, mask=kmask, other=0.0).to(tl.float32)
+                    s1 = _swiglu_bf16(g1, u1, ACCURATE_EXP)
+                    a = tl.where((offs_m == 0)[:, None], s1[None, :], 0.0).to(tl.bfloat16)
+                else:
+                    g = _load_x(x_ptrs, m_mask, k_mask, EVEN_K).to(tl.float32)
+                    u = _load_x(x_ptrs + K, m_mask, k_mask, EVEN_K).to(tl.float32)
+                    a = _swiglu_bf16(g, u, ACCURATE_EXP).to(tl.bfloat16)
             else:
                 w, a = _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, k_mask, EVEN_K, EVEN_N)
             acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
@@ -534,7 +542,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
             x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
             EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
-            PREFETCH=prefetch, SWIGLU_X=swiglu_x, ACCURATE_EXP=not interpret, **kw)
+            PREFETCH=prefetch, SWIGLU_X=swiglu_x, ACCURATE_EXP=not interpret, ONE_ROW=swiglu_x and M == 1, **kw)
     if split > 1 and counters is None:
         _launch_reduce(work, out, M, N, split)
     return out
