@@ -51,15 +51,6 @@ SWIGLU_CASES = {
 }
 
 
-# the down GEMM with SiLU*mul on its activation loads: (M, N, K, config); x is gate_up [M, 2K]
-DOWN_CASES = {
-    "down_swiglu_m1_nosplit": (1, 96, 256, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}),
-    "down_swiglu_m3_split3_fused": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}),
-    "down_swiglu_m17_ragged_tma_dropped": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2,
-                                                         "TMA": True}),
-}
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
@@ -116,40 +107,12 @@ def _swiglu_case(M, inter, K, cfg):
     return {"checks": checks, "flags": flags}
 
 
-def _down_case(M, N, K, cfg):
-    from shoal.kernels import fp8
-    from shoal.kernels.fused import silu_mul, silu_mul_ref
-
-    g = torch.Generator().manual_seed(M * 1000 + N + K + 7)
-    gu = (torch.randn(M, 2 * K, generator=g) * 2).bfloat16()
-    w = (torch.randn(N, K, generator=g) * K ** -0.5).bfloat16()
-    y = dense.dense_gemm_triton(gu, w, config=cfg, swiglu_x=True)
-    plain = {k: v for k, v in cfg.items() if k != "TMA"}
-    checks = {"rel_vs_ref": (_rel(y, dense.dense_gemm_ref(silu_mul_ref(gu), w)), 2.0 ** -6)}
-    # SiLU*mul on load gives the bits of the silu_mul kernel followed by the same GEMM
-    flags = {"equals_silu_mul_then_gemm": torch.equal(dense.dense_gemm_triton(silu_mul(gu), w, config=plain), y),
-             "shape": tuple(y.shape) == (M, N) and y.dtype == torch.bfloat16}
-    wide = torch.zeros(M, 2 * K + 64).bfloat16()
-    wide[:, : 2 * K] = gu
-    flags["strided_rows"] = torch.equal(dense.dense_gemm_triton(wide[:, : 2 * K], w, config=cfg, swiglu_x=True), y)
-    counters = fp8._counters.get(("cpu", None))
-    flags["counters_reset"] = counters is None or not bool(counters.any())
-    return {"checks": checks, "flags": flags}
-
-
-def _any_case(name):
-    if name in CASES:
-        return _case(*CASES[name])
-    if name in DOWN_CASES:
-        return _down_case(*DOWN_CASES[name])
-    return _swiglu_case(*SWIGLU_CASES[name])
-
-
 def _worker_main():
     from shoal.kernels.paged_attention import triton_interpreting
 
     assert triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
-    report_cases({**CASES, **SWIGLU_CASES, **DOWN_CASES}, _any_case)
+    report_cases({**CASES, **SWIGLU_CASES},
+                 lambda name: _case(*CASES[name]) if name in CASES else _swiglu_case(*SWIGLU_CASES[name]))
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +122,7 @@ def interp_results():
     return run_worker(__file__)
 
 
-@pytest.mark.parametrize("name", list(CASES) + list(SWIGLU_CASES) + list(DOWN_CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(SWIGLU_CASES))
 def test_kernel_matches_reference_interpreter(interp_results, name):
     assert_case(interp_results[name], need_any=True)
 
@@ -411,32 +374,6 @@ def test_gpu_swiglu_equals_gemm_then_silu_mul(M):
     from shoal.kernels import fp8
 
     counters = fp8._counters.get(("cuda", x.device.index))
-    assert counters is None or not bool(counters.any())
-
-
-@cuda
-@pytest.mark.parametrize("M", [1, 4, 16])
-def test_gpu_down_swiglu_equals_silu_mul_then_gemm(M):
-    """S2-Pro's down projection (w2 [2560, 9728]) with SiLU*mul on its loads: the bits of the
-    silu_mul kernel followed by the GEMM with the same tiles (one split, split K with the
-    fused reduce), and through the dispatcher."""
-    from shoal.kernels.fused import silu_mul, silu_mul_ref
-
-    N, K = 2560, 9728
-    g = torch.Generator(device="cuda").manual_seed(M + 11)
-    gu = (torch.randn(M, 2 * K, device="cuda", generator=g) * 2).bfloat16()
-    w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).bfloat16()
-    ref = dense.dense_gemm_ref(silu_mul_ref(gu), w)
-    for cfg in ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1},
-                {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "num_stages": 4}):
-        y = dense.dense_gemm_triton(gu, w, config=cfg, swiglu_x=True)
-        assert torch.equal(y, dense.dense_gemm_triton(silu_mul(gu), w, config=cfg)), cfg
-        assert _rel(y, ref) <= 2.0 ** -6, cfg
-    assert torch.equal(dense.dense_down_swiglu(gu, w), dense.dense_linear(silu_mul(gu), w))
-    torch.cuda.synchronize()
-    from shoal.kernels import fp8
-
-    counters = fp8._counters.get(("cuda", gu.device.index))
     assert counters is None or not bool(counters.any())
 
 

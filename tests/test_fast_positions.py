@@ -48,10 +48,9 @@ def test_position_zero_writes_the_same_kv_without_the_last_layers_output(model, 
 
     # every weight a projection reads, on either path (module calls and the fused path's GEMMs)
     used = []
-    real_linear, real_swiglu, real_mlp = dualar._linear, dualar.dense_swiglu, dualar.mlp_bf16
+    real_linear, real_swiglu = dualar._linear, dualar.dense_swiglu
     monkeypatch.setattr(dualar, "_linear", lambda mod, a: (used.append(mod.weight), real_linear(mod, a))[1])
     monkeypatch.setattr(dualar, "dense_swiglu", lambda a, w13: (used.append(w13), real_swiglu(a, w13))[1])
-    monkeypatch.setattr(dualar, "mlp_bf16", lambda a, w13, w2: (used.extend([w13, w2]), real_mlp(a, w13, w2))[1])
     last = model.fast_layers[-1]
     hooks = [m.register_forward_hook(lambda m, *a: used.append(m.weight))
              for m in (last.attention.wo, last.feed_forward.w1, last.feed_forward.w2)]

@@ -190,8 +190,7 @@ if HAS_TRITON:
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                            FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr, PDL: tl.constexpr = False,
-                           PREFETCH: tl.constexpr = 0, SWIGLU_X: tl.constexpr = False,
-                           ACCURATE_EXP: tl.constexpr = True, ONE_ROW: tl.constexpr = False):
+                           PREFETCH: tl.constexpr = 0):
         """Grid (n tiles, m tiles, SPLIT_K). Program (n, m, s) accumulates ``W[n tile, ks] @
         x[m tile, ks]^T`` over its K range ``ks = [s * k_per_split, (s + 1) * k_per_split)``
         (``k_per_split`` a multiple of BLOCK_K) in fp32 and hands it to the epilogue. EVEN_K:
@@ -199,10 +198,7 @@ if HAS_TRITON:
         UPCAST_DOT: see ``_dot_acc``. PREFETCH (with PDL):
         before waiting for the previous kernel, prefetch the first PREFETCH columns of this
         program's weight rows into L2 (the weights are never written by a kernel, so reading
-        them early is safe): the weight stream starts while the predecessor finishes.
-        SWIGLU_X: ``x`` is the gate_up GEMM's output ``[M, 2K]`` (gate | up) and the activation
-        tile is ``silu(gate) * up`` computed on load, rounded as ``fused._silu_mul_kernel``
-        rounds (the down projection without the SiLU*mul kernel or its intermediate)."""
+        them early is safe): the weight stream starts while the predecessor finishes."""
         pid_n, pid_m, pid_k, offs_n, offs_m, offs_kk = _swap_tile(BLOCK_M, BLOCK_N, BLOCK_K)
         m_mask = offs_m < M
         n_mask = offs_n < N
@@ -219,22 +215,7 @@ if HAS_TRITON:
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_lo + offs_kk)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, k_per_split, BLOCK_K):
-            k_mask = (k_lo + k0 + offs_kk) < K
-            if SWIGLU_X:
-                w = _load_w(w_ptrs, n_mask, k_mask, EVEN_K, EVEN_N)
-                if ONE_ROW:  # one token (M == 1, one token tile): the SiLU once per column
-                    kk = k_lo + k0 + offs_kk
-                    kmask = kk < K
-                    g1 = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-                    u1 = tl.load(x_ptr + K + kk, mask=kmask, other=0.0).to(tl.float32)
-                    s1 = _swiglu_bf16(g1, u1, ACCURATE_EXP)
-                    a = tl.where((offs_m == 0)[:, None], s1[None, :], 0.0).to(tl.bfloat16)
-                else:
-                    g = _load_x(x_ptrs, m_mask, k_mask, EVEN_K).to(tl.float32)
-                    u = _load_x(x_ptrs + K, m_mask, k_mask, EVEN_K).to(tl.float32)
-                    a = _swiglu_bf16(g, u, ACCURATE_EXP).to(tl.bfloat16)
-            else:
-                w, a = _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, k_mask, EVEN_K, EVEN_N)
+            w, a = _load_operands(w_ptrs, x_ptrs, n_mask, m_mask, (k_lo + k0 + offs_kk) < K, EVEN_K, EVEN_N)
             acc = _dot_acc(w, tl.trans(a), acc, UPCAST_DOT)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -479,36 +460,22 @@ def _descriptors(x: Tensor, w: Tensor, cfg: dict) -> tuple:
             TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]), True)
 
 
-def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None,
-                      swiglu_x: bool = False) -> Tensor:
+def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config: dict | None = None) -> Tensor:
     """The Triton kernel: ``x [M, K]`` (bf16, unit stride along K) times ``w [N, K]^T`` (bf16,
     contiguous) -> bf16 ``[M, N]`` (into ``out`` if given: bf16 ``[M, N]``, unit stride along N).
     ``config`` (BLOCK_M/N/K, SPLIT_K, num_warps, num_stages, TMA, PREFETCH, KIND) overrides the table (tuning and
     tests); without either, a plain default. ``TMA``: read the operands through tensor
     descriptors (``_dense_tma_kernel``; pointer loads when a base or row stride is not 16-byte
-    aligned). ``swiglu_x``: ``x`` is a gate_up output ``[M, 2K]`` and the product is
-    ``silu_mul(x) @ w^T`` with the SiLU*mul done on load (swap-AB pointer kernel: the config's
-    tiles and split without TMA or stream-K); the bits of ``silu_mul`` then this GEMM."""
-    if swiglu_x:
-        if x.dim() != 2 or w.dim() != 2 or x.shape[1] != 2 * w.shape[1]:
-            raise ValueError(f"dense_gemm(swiglu_x): gate_up [M, 2K] and w [N, K] expected, "
-                             f"got {tuple(x.shape)} and {tuple(w.shape)}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        _, w, interpret = _operands("dense_gemm", x[:, : w.shape[1]], w, "w [N, K]")
-        config = {k: v for k, v in (config if config is not None else
-                                    (dense_config(x.shape[0], w.shape[0], w.shape[1]) or {})).items()
-                  if k not in ("TMA", "KIND", "PROGRAMS", "PREFETCH", "k_per_split")}
-    else:
-        x, w, interpret = _operands("dense_gemm", x, w, "w [N, K]")
-    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    aligned)."""
+    x, w, interpret = _operands("dense_gemm", x, w, "w [N, K]")
+    M, K = x.shape
+    N = w.shape[0]
     out = _out_buffer(out, M, N, x.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
         return out.zero_()
     cfg = finish_config(config if config is not None else (dense_config(M, N, K) or {}), K)
-    tma_ok = not swiglu_x
     if cfg["KIND"] == "streamk":
         counters = _tile_counters(x.device, _cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]))
         if counters is not None:
@@ -531,7 +498,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     grid = (tiles_n, tiles_m, split)
     part = x if work is None else work
     cnt = out if counters is None else counters
-    x_desc, w_desc, tma = _descriptors(x, w, cfg) if tma_ok else (x, w, False)
+    x_desc, w_desc, tma = _descriptors(x, w, cfg)
     if tma:
         _dense_tma_kernel[grid](x_desc, w_desc, out, part, cnt, M, N, out.stride(0), cfg["k_per_split"],
                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -542,7 +509,7 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
             x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"], BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
             EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
-            PREFETCH=prefetch, SWIGLU_X=swiglu_x, ACCURATE_EXP=not interpret, ONE_ROW=swiglu_x and M == 1, **kw)
+            PREFETCH=prefetch, **kw)
     if split > 1 and counters is None:
         _launch_reduce(work, out, M, N, split)
     return out
@@ -637,11 +604,6 @@ def _swiglu_enabled() -> bool:
     return os.environ.get(SWIGLU_ENV, "0") in ("1", "true", "yes", "on")
 
 
-def swiglu_enabled() -> bool:
-    """Whether ``SHOAL_DENSE_SWIGLU`` asks for SiLU*mul in the gate_up GEMM's epilogue."""
-    return _swiglu_enabled()
-
-
 def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
     """``silu_mul(dense_linear(x, w13))`` for any leading dims; with ``SHOAL_DENSE_SWIGLU=1``
     (off by default until it is measured on a GPU) the fused kernel where the tuned table has
@@ -651,36 +613,6 @@ def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
         if _eligible(x2, w13) and swiglu_config(x2.shape[0], w13.shape[0], w13.shape[1]) is not None:
             return dense_swiglu_triton(x2, w13).view(*x.shape[:-1], w13.shape[0] // 2)
     return silu_mul(dense_linear(x, w13))
-
-
-DOWN_SWIGLU_ENV = "SHOAL_DENSE_DOWN_SWIGLU"
-
-
-@functools.cache
-def _down_swiglu_enabled() -> bool:
-    return os.environ.get(DOWN_SWIGLU_ENV, "1") not in ("0", "false", "no", "off")
-
-
-def down_swiglu_config(M: int, N: int, K: int) -> dict | None:
-    """The down projection's table config when it is a swap-AB pointer-load one (the kernel
-    that can do SiLU*mul on load at full speed), else None."""
-    cfg = dense_config(M, N, K)
-    if cfg is None or cfg["KIND"] != "swap" or cfg.get("TMA"):
-        return None
-    return cfg
-
-
-def dense_down_swiglu(gate_up: Tensor, w: Tensor) -> Tensor:
-    """``dense_linear(silu_mul(gate_up), w)`` for any leading dims: where the table's down
-    config is a swap-AB pointer-load kernel (M = 1 on the H200), one kernel computes
-    SiLU*mul on load (no ``silu_mul`` launch, no [M, I] intermediate; the same bits).
-    ``SHOAL_DENSE_DOWN_SWIGLU=0`` keeps the two kernels."""
-    if _down_swiglu_enabled() and gate_up.dim() >= 2 and gate_up.is_cuda and gate_up.shape[-1] == 2 * w.shape[-1]:
-        g2 = gate_up.reshape(-1, gate_up.shape[-1])
-        if (0 < g2.shape[0] <= MAX_M and _eligible(g2, w)
-                and down_swiglu_config(g2.shape[0], w.shape[0], w.shape[1]) is not None):
-            return dense_gemm_triton(g2, w, swiglu_x=True).view(*gate_up.shape[:-1], w.shape[0])
-    return dense_linear(silu_mul(gate_up), w)
 
 
 def _eligible(x: Tensor, w: Tensor) -> bool:

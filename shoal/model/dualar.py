@@ -36,18 +36,6 @@ def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return impl(x, w, bias)
 
 
-def mlp_bf16(x: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """The bf16 MLP of the fused path, ``w2 @ silu_mul(w13 @ x)``: with
-    ``SHOAL_DENSE_SWIGLU=1`` SiLU*mul in the gate_up GEMM's epilogue, else (the default) in
-    the down GEMM's activation loads where its kernel allows (``dense_down_swiglu``); the
-    same bits either way."""
-    from ..kernels import dense
-
-    if dense.swiglu_enabled():
-        return dense.dense_linear(dense.dense_swiglu(x, w13), w2)
-    return dense.dense_down_swiglu(dense.dense_linear(x, w13), w2)
-
-
 def dense_swiglu(x: Tensor, w13: Tensor) -> Tensor:
     """:func:`shoal.kernels.dense.dense_swiglu` (``silu_mul(dense_linear(x, w13))``, fused into
     one kernel with ``SHOAL_DENSE_SWIGLU=1``), imported on first use."""
@@ -244,8 +232,6 @@ class DualAR(nn.Module):
                     f = ff.w2.forward_kernels(gu, quantized=silu_mul_quant(gu))
                 elif w13_fp8 is not None:
                     f = ff.w2(silu_mul(w13_fp8(normed)))
-                elif type(ff.w2) is nn.Linear and ff.w2.bias is None:
-                    f = mlp_bf16(normed, ff.w13, ff.w2.weight)
                 else:
                     f = _linear(ff.w2, dense_swiglu(normed, ff.w13))
             if i + 1 < len(layers):
