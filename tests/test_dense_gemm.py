@@ -27,6 +27,11 @@ CASES = {  # name -> (M, N, K, config)
     "m3_split3_fused": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3}),
     "m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),
     "m33_bm64_bk128": (33, 64, 512, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2}),
+    # the CUDA-core GEMV (one token per program row): one split, split K with the fused
+    # reduce, ragged N and K, and a few tokens (the weight read once per token)
+    "gemv_m1_nosplit": (1, 96, 256, {"KIND": "gemv", "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 1}),
+    "gemv_m1_split3_fused": (1, 64, 384, {"KIND": "gemv", "BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 3}),
+    "gemv_m3_ragged_split2": (3, 70, 200, {"KIND": "gemv", "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2}),
     "tma_m3_split3": (3, 64, 384, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "TMA": True}),
     "tma_m17_ragged_n_k": (17, 70, 200, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True}),
     "tma_tile_m40_ragged": (40, 70, 200, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2, "TMA": True,
@@ -195,6 +200,13 @@ def test_streamk_plan_matches_a_direct_count():
     assert "PROGRAMS" not in dense.finish_config({"PROGRAMS": 7}, 256)
 
 
+def test_gemv_config_is_normalized():
+    c = dense.finish_config({"KIND": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 3, "TMA": True,
+                             "PREFETCH": 512}, 9728)
+    assert c["KIND"] == "gemv" and not c["TMA"] and c["PREFETCH"] == 0 and c["BLOCK_M"] == 1
+    assert c["SPLIT_K"] == 3 and c["k_per_split"] % 256 == 0 and c["k_per_split"] * 3 >= 9728
+
+
 def test_prefetch_option_is_normalized():
     c = dense.finish_config({"BLOCK_K": 128, "SPLIT_K": 8, "PREFETCH": 1024}, 2560)
     assert c["PREFETCH"] == 256 and c["PREFETCH"] <= c["k_per_split"]  # a power of two within the split
@@ -327,6 +339,8 @@ def test_gpu_kernel_matches_reference(M, N, K):
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "TMA": True},
                 {"BLOCK_M": bm, "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PREFETCH": 1024},
+                {"KIND": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 3, "num_stages": 3},
+                {"KIND": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 1, "num_stages": 1},
                 {"BLOCK_M": max(bm, 64), "BLOCK_N": 256, "BLOCK_K": 64, "SPLIT_K": 1, "num_warps": 8, "TMA": True,
                  "KIND": "tile"},
                 {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 132, "TMA": True},
@@ -386,6 +400,7 @@ def test_gpu_cuda_graph_replay_bit_exact():
             {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 256, "SPLIT_K": 2, "num_stages": 3},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "TMA": True},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 4, "PREFETCH": 512},
+            {"KIND": "gemv", "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 3, "num_stages": 3},
             {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "KIND": "streamk", "PROGRAMS": 132, "TMA": True}]
 
     def step():

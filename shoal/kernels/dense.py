@@ -224,6 +224,43 @@ if HAS_TRITON:
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
 
     @triton.jit
+    def _dense_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, M, N, K, stride_xm, stride_ym, k_per_split,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                           EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        """KIND "gemv" (one token; for M = 1): grid (n tiles, M, SPLIT_K). Program (n, m, s)
+        loads its BLOCK_N weight rows straight into registers (no shared-memory staging, no
+        tensor cores), multiplies them by token ``m``'s activation in fp32 into a
+        [BLOCK_N, BLOCK_K] accumulator over its K range, and reduces that once at the end: a
+        memory-bound GEMV with nothing between the loads and the FMAs. fp32 products and sums
+        (another order than the MMA's), then ``_gemm_epilogue`` (split-K partials summed in
+        split order)."""
+        pdl_enter(PDL)
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        k_lo = pid_k * k_per_split
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * K + (k_lo + offs_k)[None, :]
+        x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + k_lo + offs_k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, k_per_split, BLOCK_K):
+            k_mask = (k_lo + k0 + offs_k) < K
+            w = _load_w(w_ptrs, n_mask, k_mask, EVEN_K, EVEN_N).to(tl.float32)
+            if EVEN_K:
+                x = tl.load(x_ptrs).to(tl.float32)
+            else:
+                x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w * x[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)
+        _gemm_epilogue(y, y_ptr, part_ptr, cnt_ptr, pid_m * stride_ym + offs_n, pid_m * N + offs_n, n_mask,
+                       M * N, pid_k, pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
+
+    @triton.jit
     def _dense_tma_kernel(x_desc, w_desc, y_ptr, part_ptr, cnt_ptr, M, N, stride_ym, k_per_split,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, FUSED_REDUCE: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -393,6 +430,9 @@ def finish_config(cfg: dict, K: int) -> dict:
         cfg["PREFETCH"] = 0
         return cfg
     cfg.pop("PROGRAMS", None)
+    if kind == "gemv":  # one token per program row; pointer loads only
+        cfg["KIND"], cfg["TMA"], cfg["PREFETCH"], cfg["BLOCK_M"] = "gemv", False, 0, 1
+        return cfg
     cfg["KIND"] = "tile" if kind == "tile" and cfg.get("TMA") else "swap"
     # PREFETCH (pointer kernel only): weight columns per row prefetched into L2 before the PDL
     # wait, a power of two from 64 up to the program's K range; 0 = none
@@ -499,7 +539,11 @@ def dense_gemm_triton(x: Tensor, w: Tensor, *, out: Tensor | None = None, config
     part = x if work is None else work
     cnt = out if counters is None else counters
     x_desc, w_desc, tma = _descriptors(x, w, cfg)
-    if tma:
+    if cfg["KIND"] == "gemv":
+        _dense_gemv_kernel[grid](x, w, out, part, cnt, M, N, K, x.stride(0), out.stride(0), cfg["k_per_split"],
+                                 BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split, EVEN_K=even_k,
+                                 EVEN_N=N % cfg["BLOCK_N"] == 0, FUSED_REDUCE=counters is not None, **kw)
+    elif tma:
         _dense_tma_kernel[grid](x_desc, w_desc, out, part, cnt, M, N, out.stride(0), cfg["k_per_split"],
                                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                                 SPLIT_K=split, FUSED_REDUCE=counters is not None, UPCAST_DOT=interpret,
