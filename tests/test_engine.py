@@ -309,6 +309,39 @@ def test_streaming_audio_equals_one_shot_decode(s2, voice, audio_thread, max_cal
         assert done[rid].timings["first_audio_s"] <= done[rid].timings["total_s"]
 
 
+def test_audio_pool_position_bound_follows_live_streams_not_traffic(s2):
+    """A row reused by stream after stream: the pool's position bound (which sizes an eager
+    call's RoPE table) is the longest live stream's frame count, not the sum of everything
+    the row has decoded (which grew without end on a long-running server), and the audio of
+    a late stream equals the same codes decoded alone."""
+    from shoal.codec.streaming import StreamingDecoder
+    from shoal.engine.audio import AudioStreamer
+
+    _, _, ckpt = s2
+    codec = load_codec(ckpt / "codec.pth")
+    st = AudioStreamer(codec, 1, ChunkSchedule(first=4, growth=2.0, max_frames=8), max_call_streams=1)
+    key = codec.quantizer.post_module.state_key
+    rng = np.random.default_rng(3)
+    for i in range(4):
+        codes = rng.integers(0, 1000, (10, 12)).astype(np.int64)
+        st.push(f"s{i}", codes)
+        st.finish(f"s{i}")
+        pcm = []
+        while f"s{i}" not in st.take_done():
+            audio, failed = st.decode_ready()
+            assert not failed
+            pcm += [p for _, p in audio]
+        assert st.state.bounds[key] <= 12  # was 12 * (i + 1): the row's whole history
+        assert list(st.rows) == []
+    assert st.row_frames == {}
+    dec = StreamingDecoder(codec)
+    alone = dec.decode_chunk(torch.as_tensor(codes)[None], dec.new_state(1))[0, 0].float().numpy()
+    np.testing.assert_allclose(np.concatenate(pcm), alone, atol=1e-5)
+    st.push("a", rng.integers(0, 1000, (10, 4)).astype(np.int64))
+    st.decode_ready()
+    assert st.state.bounds[key] == 4 and st.row_frames == {0: 4}
+
+
 def test_audio_calls_are_earliest_deadline_first_and_bounded(s2):
     """First chunks (no audio yet: overdue) go before a playing stream's next chunk, oldest
     first; a call takes at most max_call_streams streams of one chunk size; a stream's deadline

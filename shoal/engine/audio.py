@@ -89,6 +89,9 @@ class AudioStreamer:
         self.device = next(codec.parameters()).device
         self.max_streams = max_streams
         self.free_rows = list(range(max_streams - 1, -1, -1))
+        # frames decoded into each live row (host ints): the pool's position bound is their
+        # maximum, so it follows the longest live stream, not the traffic the pool has seen
+        self.row_frames: dict[int, int] = {}
         self.rows: dict[str, int] = {}
         self.pending: dict[str, list[np.ndarray]] = {}
         self.chunks: dict[str, int] = {}
@@ -146,6 +149,16 @@ class AudioStreamer:
             self._wait_other_lanes(lane, [row])
             self._row_event.pop(row, None)
             self.state.reset_([row])
+        self.row_frames[row] = 0
+        self._set_bounds()
+
+    def _set_bounds(self) -> None:
+        """The pool's position bound (what an eager call sizes its RoPE table from) = the most
+        frames any live row has decoded. A scalar per pool that only grows would, on a server
+        that reuses rows, follow the total traffic and keep doubling the table."""
+        bound = max(self.row_frames.values(), default=0)
+        for k in self.state.bounds:
+            self.state.bounds[k] = bound
 
     def _on(self, lane: "_Lane"):
         """Context: ``lane``'s CUDA stream current (a no-op off CUDA or without one)."""
@@ -201,6 +214,9 @@ class AudioStreamer:
                 batch = torch.as_tensor(np.stack(codes), dtype=torch.long).to(self.device, non_blocking=cuda)
                 index = torch.tensor(rows).to(self.device, non_blocking=cuda)
                 audio = lane.decoder.decode_rows(batch, self.state, index)  # rows gathered, advanced, written back
+                for row in rows:
+                    self.row_frames[row] = self.row_frames.get(row, 0) + n
+                self._set_bounds()
                 pcm = audio[:, 0].float()
                 if cuda:
                     host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
@@ -435,7 +451,9 @@ class AudioStreamer:
         self.failed.discard(rid)
         self.finishing.pop(rid, None)
         if rid in self.rows:
-            self.free_rows.append(self.rows.pop(rid))
+            row = self.rows.pop(rid)
+            self.free_rows.append(row)
+            self.row_frames.pop(row, None)
             self.pending.pop(rid, None)
             self.chunks.pop(rid, None)
             self.schedules.pop(rid, None)
