@@ -23,7 +23,10 @@ weights) and the tensors are CUDA bf16 on a GPU with the SM count it was tuned o
 ``F.linear``. Grids depend on shapes only and nothing syncs with the host, so it is CUDA-graph
 capturable (each config compiles at its first call, outside a capture: the engine's warm-up).
 ``SHOAL_DENSE_GEMM=0`` turns the kernel off (every GEMM through cuBLAS);
-``SHOAL_DENSE_TUNED=PATH`` reads another table.
+``SHOAL_DENSE_TUNED=PATH`` reads another table. A config's ``KIND`` picks the kernel: the
+swap-AB MMA kernel (default), "tile" (TMA, tokens on the MMA's M axis), "streamk", or "gemv"
+(one token: weight rows straight into registers and fp32 FMAs, no tensor cores; faster than
+the MMA kernel back to back but not in the decode step, so the packaged table has none).
 """
 
 from __future__ import annotations
@@ -422,7 +425,8 @@ def finish_config(cfg: dict, K: int) -> dict:
     cfg["k_per_split"] = per * bk
     cfg["SPLIT_K"] = _cdiv(kblocks, per)
     # KIND "tile" (TMA kernel only): tokens on the MMA's M axis; "streamk": the swap-AB
-    # product with PROGRAMS programs sharing the (tile, K block) iterations; otherwise swap-AB
+    # product with PROGRAMS programs sharing the (tile, K block) iterations; "gemv": the
+    # CUDA-core GEMV for one token (benchmarks/scripts/gemv_table.py); otherwise swap-AB
     kind = cfg.get("KIND")
     if kind == "streamk":
         cfg["SPLIT_K"], cfg["k_per_split"] = 1, kblocks * bk
