@@ -164,10 +164,11 @@ def tiny_fp8_model(device="cpu", dim=256, n_layer=2, heads=(4, 2, 64), inter=384
     return model
 
 
-def run_layer_stack(model, stack: str, rows: int, position: int, seed: int = 0):
+def run_layer_stack(model, stack: str, rows: int, position: int, seed: int = 0, final_norm=None):
     """One ``_layers_fused`` pass over ``model.layers`` ("slow") or ``fast_layers`` at
     ``position`` of a FastCacheBackend whose earlier positions hold random K/V. Returns
-    (hidden, k cache, v cache)."""
+    (hidden, k cache, v cache), and with ``final_norm`` (a norm weight, fused with the last
+    residual add) (normed, hidden, k cache, v cache)."""
     from shoal.engine.attention import FastCacheBackend
 
     layers = model.layers if stack == "slow" else model.fast_layers
@@ -183,6 +184,9 @@ def run_layer_stack(model, stack: str, rows: int, position: int, seed: int = 0):
     rope = model.slow_rope if stack == "slow" else model.fast_rope
     if stack == "fast":
         pos = torch.full((rows, 1), position, device=dev)
+    if final_norm is not None:
+        normed, h = model._layers_fused(x, layers, pos, rope, be, final_norm=final_norm)
+        return normed, h, be.k, be.v
     h = model._layers_fused(x, layers, pos, rope, be)
     return h, be.k, be.v
 
@@ -363,6 +367,23 @@ def test_gpu_fused_fp8_layers_equal_unfused(s2_pro_fp8, M, stack):
     for name, a, b in zip(("hidden", "k cache", "v cache"), outs[0], outs[1]):
         n_bad = int((a.view(torch.int16) != b.view(torch.int16)).sum())
         assert n_bad == 0, f"{name}: {n_bad} of {a.numel()} elements differ (M={M}, {stack})"
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 64])
+@pytest.mark.parametrize("stack", ["slow", "fast"])
+def test_gpu_fp8_last_add_fused_with_the_final_norm(s2_pro_fp8, M, stack):
+    """The FP8 stack's last residual add run fused with the final RMSNorm (the decode path)
+    leaves the hidden state and caches as the plain add, and its normed output equals
+    add_rmsnorm of that hidden state."""
+    model = s2_pro_fp8
+    w = (model.norm if stack == "slow" else model.fast_norm).weight
+    h, k, v = (t.clone() for t in run_layer_stack(model, stack, M, 3))
+    normed, h2, k2, v2 = run_layer_stack(model, stack, M, 3, final_norm=w)
+    assert torch.equal(h2.view(torch.int16), h.view(torch.int16))
+    assert torch.equal(k2.view(torch.int16), k.view(torch.int16)) and torch.equal(v2.view(torch.int16), v.view(torch.int16))
+    want = fused.add_rmsnorm(h[:, 0], None, w, model.config.norm_eps)[0]
+    assert torch.equal(normed.view(torch.int16), want.view(torch.int16))
 
 
 @cuda
