@@ -236,10 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (engine sweep, kernels); writes JSON + PNG",
                            add_help=False)
     bench.add_argument("which", choices=["engine", "serve", "gate", "live", "attention", "fused", "fp8", "dense",
-                                          "profile", "codec", "interference"],
+                                          "dense-step", "profile", "codec", "interference"],
                        help="engine: concurrency sweep; serve: HTTP load on a running server; gate: perf "
                             "regression gate; live: WebSocket TTFA sweep; attention/fused/profile: kernels; "
                             "dense: bf16 decode GEMM vs cuBLAS (tunes kernels/dense_tuned.json); "
+                            "dense-step: the same configs timed inside the decode step; "
                             "codec: codec decode; interference: LLM step vs concurrent codec load")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark options (see shoal bench WHICH -h)")
     bench.set_defaults(func=cmd_bench)
@@ -251,7 +252,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     module = {"engine": "engine", "serve": "serve", "gate": "gate", "live": "live",
               "attention": "kernels_attention", "fused": "kernels_fused", "fp8": "kernels_fp8", "dense": "tune_dense",
-              "profile": "profile_step", "codec": "codec",
+              "dense-step": "tune_step", "profile": "profile_step", "codec": "codec",
               "interference": "interference"}[args.which]
     return importlib.import_module(f".bench.{module}", __package__).main(args.rest)
 

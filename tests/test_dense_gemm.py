@@ -295,6 +295,27 @@ def test_swiglu_tuner_search_space():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_bench_dense_step_smoke_on_cpu(tmp_path):
+    """``shoal bench dense-step`` end to end on CPU (tiny shapes, eager steps): every candidate
+    of the asked projection is timed in the engine's decode step, the report and a table are
+    written, nothing is taken into it (no dense kernel on CPU), and the table in force is the
+    one from before."""
+    import json
+
+    from shoal.cli import main
+
+    before = dense._table_doc()
+    assert main(["bench", "dense-step", "--device", "cpu", "--shape", "tiny", "--limit", "1", "--replays", "1",
+                 "--shapes", "wo", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "tune_step.json").read_text())
+    wo = rep["projections"]["wo"]
+    assert [c["config"].get("KIND", "swap") for c in wo["candidates"]] == ["swap", "gemv"]
+    assert all(c["step_ms"] > 0 for c in wo["candidates"]) and len(rep["baseline_ms"]) == 2
+    assert not wo["taken"] and rep["tuned_ms"] > 0
+    assert json.loads((tmp_path / "dense_tuned.json").read_text())["configs"] == before.get("configs", {})
+    assert dense._table_override == [] and dense._table_doc() == before
+
+
 def test_bench_dense_without_cuda_says_so(capsys):
     from shoal.cli import main
 
