@@ -14,30 +14,12 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-
 from shoal.bench.kernels_fp8 import time_graph
+from shoal.bench.tune_step import gemv_candidates as candidates
 from shoal.kernels import dense
 
 SHAPES = {"wqkv": (6144, 2560), "wo": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728),
           "semantic_head": (4097, 2560), "fast_head": (1024, 2560)}
-
-
-def candidates(N, K, sms=132):
-    out = []
-    for bn in (8, 16, 32):
-        for bk in (256, 512):
-            tiles, kblocks = triton.cdiv(N, bn), triton.cdiv(K, bk)
-            picked = []
-            for target in (sms, 2 * sms, 4 * sms):
-                s = min(range(1, min(16, kblocks) + 1), key=lambda s: abs(tiles * s - target))
-                if s not in picked:
-                    picked.append(s)
-            for s in picked:
-                for stages in (1, 3):
-                    out.append({"KIND": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": s, "num_warps": 4,
-                                "num_stages": stages})
-    return out
 
 
 def main():
