@@ -316,6 +316,23 @@ def test_bench_dense_step_smoke_on_cpu(tmp_path):
     assert dense._table_override == [] and dense._table_doc() == before
 
 
+def test_bench_dense_step_projections_are_the_steps_gemms():
+    """The tuner's (N, K) per projection are the weights the decode step multiplies by: the
+    fast head on its residual-code rows, the slow head on the allowed tokens."""
+    import torch as _t
+
+    from shoal.bench.random_model import random_dualar, tiny_config
+    from shoal.bench.tune_step import projections
+
+    model = random_dualar(tiny_config(256), "cpu", _t.float32)
+    model.set_allowed_tokens([1, 2])
+    shapes = projections(model)
+    d = model.config.slow.dim
+    assert shapes["fast_head"] == (model.config.residual_codebook_size, model.config.fast.dim)
+    assert shapes["semantic_head"] == tuple(model.allowed_head.shape) and shapes["wo"][0] == d
+    assert shapes["gate_up"] == (2 * model.config.slow.intermediate_size, d)
+
+
 def test_bench_dense_without_cuda_says_so(capsys):
     from shoal.cli import main
 

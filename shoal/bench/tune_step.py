@@ -51,7 +51,8 @@ def projections(model) -> dict[str, tuple[int, int]]:
     att, ff = model.layers[0].attention, model.layers[0].feed_forward
     shapes = {"wqkv": tuple(att.wqkv.weight.shape), "wo": tuple(att.wo.weight.shape),
               "gate_up": (2 * ff.w1.weight.shape[0], ff.w1.weight.shape[1]), "down": tuple(ff.w2.weight.shape),
-              "fast_head": tuple(model.fast_output.weight.shape)}
+              # the fast head runs on its first residual_codebook_size rows (the codes 1..9 can take)
+              "fast_head": (model.config.residual_codebook_size, model.fast_output.weight.shape[1])}
     if hasattr(model, "allowed_head"):
         shapes["semantic_head"] = tuple(model.allowed_head.shape)
     return shapes
@@ -129,13 +130,13 @@ class StepTimer:
         return statistics.median(times)
 
 
-def _checked(cfg: dict, N: int, K: int, device) -> str | None:
-    """None when ``cfg`` computes this GEMM right (one token tile of random data against the
-    fp32 reference), else why not."""
+def _checked(cfg: dict, M: int, N: int, K: int, device) -> str | None:
+    """None when ``cfg`` computes this GEMM right at ``M`` tokens (random data against the fp32
+    reference), else why not."""
     if device.type != "cuda":
         return None
     try:
-        x = torch.randn(4, K, device=device).bfloat16()
+        x = torch.randn(M, K, device=device).bfloat16()
         w = (torch.randn(N, K, device=device) * K ** -0.5).bfloat16()
         ref = dense.dense_gemm_ref(x, w)
         err = (dense.dense_gemm_triton(x, w, config=cfg).float() - ref.float()).abs().max().item()
@@ -173,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     from . import tune_dense
 
     dev = torch.device(args.device)
+    B = args.batch
+    if not 1 <= B <= dense.MAX_M:
+        p.error(f"--batch must be 1..{dense.MAX_M} (the dense kernel's largest bucket)")
+    if args.context + args.replays + 8 > 4096:
+        p.error("--context + --replays must stay inside the 4,096-token test sequence")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = s2_pro_config(4096) if args.shape == "s2-pro" else tiny_config()
     model = random_dualar(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    B = args.batch
     eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=B, max_seq_len=4096, num_blocks=B * 64 + 64,
                                                        cuda_graphs=False))
     rng = np.random.default_rng(0)
@@ -189,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     while eng.num_running < B or any(r.status.value != "decode" for r in eng.scheduler.running):
         eng.step()
     runner = eng.runner
+    if dev.type == "cuda" and B not in runner.buckets:
+        p.error(f"--batch {B} is not a decode graph bucket ({runner.buckets}): serving would pad it")
     runner.slot_ids[:B].copy_(torch.tensor([r.slot for r in eng.scheduler.running], dtype=torch.long, device=dev))
     timer = StepTimer(eng, B, args.replays)
 
@@ -201,8 +208,14 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {k for k in args.kinds.split(",") if k}
     report = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "batch": B, "context": args.context, "shape": args.shape, "args": vars(args), "projections": {}}
-    tmp = Path(tempfile.mkdtemp(prefix="shoal-tune-step-"))
+    previous = list(dense._table_override)  # an override in force before (restored at the end)
+    tmpdir = tempfile.TemporaryDirectory(prefix="shoal-tune-step-")
+    tmp = Path(tmpdir.name)
     best_doc = copy.deepcopy(base_doc)
+
+    def use(path) -> None:
+        dense.set_dense_table(path if path is not None else (previous[0] if previous else None))
+
     try:
         report["baseline_ms"] = [timer.measure()]
         print(f"baseline step {report['baseline_ms'][0]:.3f} ms (batch {B})", flush=True)
@@ -214,20 +227,23 @@ def main(argv: list[str] | None = None) -> int:
             if "swap" in kinds:
                 space = tune_dense.candidates(B, N, K)
                 random.Random(N * 7 + K).shuffle(space)
-                cands += space[: args.limit]
-            if "gemv" in kinds and B == 1:
-                cands += gemv_candidates(N, K)[: args.limit]
+                cands += [(bucket, c) for c in space[: args.limit]]
+            if "gemv" in kinds and B == 1:  # one token only: its own bucket, never M > 1
+                cands += [("1", c) for c in gemv_candidates(N, K)[: args.limit]]
             rows = []
-            for c in cands:
-                why = _checked(c, N, K, dev)
-                if why is not None:
-                    rows.append({"config": c, "skipped": why})
-                    continue
-                path = tmp / "t.json"
-                path.write_text(json.dumps(_with(base_doc, key, bucket, c)))
-                dense.set_dense_table(path)
-                rows.append({"config": c, "step_ms": timer.measure()})
-            dense.set_dense_table(None)
+            for bkey, c in cands:
+                why = _checked(c, B, N, K, dev)
+                if why is None:
+                    path = tmp / "t.json"
+                    path.write_text(json.dumps(_with(base_doc, key, bkey, c)))
+                    use(path)
+                    try:
+                        rows.append({"config": c, "bucket": bkey, "step_ms": timer.measure()})
+                        continue
+                    except Exception as e:  # noqa: BLE001 -- a launch that fails in the step is skipped
+                        why = f"{type(e).__name__}: {str(e)[:160]}"
+                rows.append({"config": c, "bucket": bkey, "skipped": why})
+            use(None)
             base = timer.measure()  # the baseline again, right after this projection's sweep
             report["baseline_ms"].append(base)
             timed = [r for r in rows if "step_ms" in r]
@@ -235,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             gain = (base - best["step_ms"]) / base if best else 0.0
             taken = best is not None and gain >= args.min_gain and dev.type == "cuda"  # CPU: no kernel, no table
             if taken:
-                best_doc = _with(best_doc, key, bucket, best["config"])
+                best_doc = _with(best_doc, key, best["bucket"], best["config"])
             report["projections"][name] = {"N": N, "K": K, "bucket": bucket,
                                            "packaged": base_doc.get("configs", {}).get(key, {}).get(bucket),
                                            "baseline_ms": base, "best": best, "gain": gain, "taken": taken,
@@ -246,14 +262,15 @@ def main(argv: list[str] | None = None) -> int:
         best_doc["note"] = (f"decode-step tuned (shoal.bench.tune_step, batch {B}, {report['date']}) over "
                             + str(base_doc.get("note", "the packaged table")))
         (out / "dense_tuned.json").write_text(json.dumps(best_doc, indent=1))
-        dense.set_dense_table(out / "dense_tuned.json")
+        use(out / "dense_tuned.json")
         report["tuned_ms"] = timer.measure()
-        dense.set_dense_table(None)
+        use(None)
         report["final_baseline_ms"] = timer.measure()
         print(f"tuned table: {report['tuned_ms']:.3f} ms per step against {report['final_baseline_ms']:.3f} "
               f"(written to {out / 'dense_tuned.json'})", flush=True)
     finally:
-        dense.set_dense_table(None)
+        use(None)
+        tmpdir.cleanup()
         (out / "tune_step.json").write_text(json.dumps(report, indent=1))
     return 0
 
