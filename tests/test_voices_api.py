@@ -365,3 +365,57 @@ def test_serve_flag():
     assert _voices_dir(args.voices_dir) == "/tmp/v"
     assert _voices_dir("none") is None
     assert _voices_dir(parser.parse_args(["serve"]).voices_dir).endswith("voices")
+
+
+# --------------------------------------------------------------------------- hostile bodies
+def _wav(samples: np.ndarray, rate: int, subtype: str = "PCM_16") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    sf.write(buf, samples.astype(np.float32), rate, format="WAV", subtype=subtype)
+    return buf.getvalue()
+
+
+def test_tiny_low_rate_or_overlong_references_are_refused_from_the_header(srv):
+    """A few KB of 1 Hz audio declares hours of sound and resampled to gigabytes (the server was
+    OOM-killed); it, and audio over the 120 s limit, are now refused before decoding, quickly,
+    inline and in the voice library, and nothing is stored."""
+    import time
+
+    noise = np.random.default_rng(0).uniform(-0.3, 0.3, 5000)
+    low = _wav(noise, 1)  # ~10 KB, "5000 s" at 1 Hz
+    long = _wav(np.zeros(4000 * 121), 4000, "PCM_U8")  # 121 s at 4 kHz, 484 KB
+    t = time.perf_counter()
+    assert_error(post_tts(srv, {"text": "hi", "references": [{"audio": low, "text": "t"}]}), 400, "4000 Hz")
+    assert_error(post_tts(srv, {"text": "hi", "references": [{"audio": long, "text": "t"}]}), 400,
+                 "the limit is 120 s")
+    before = len(srv.store)
+    for audio, why in ((low, "4000 Hz"), (long, "the limit is 120 s")):
+        resp = httpx.post(srv.url + "/model", data={"title": "Hostile", "texts": ["t"]}, headers=auth(),
+                          files=[("voices", ("a.wav", audio, "audio/wav"))], timeout=60)
+        assert_error(resp, 400, why)
+    assert time.perf_counter() - t < 20  # the 1 Hz file alone took 30 s to 60 s and GBs before
+    assert len(srv.store) == before
+
+
+def test_json_bodies_with_lone_surrogates_or_deep_nesting_are_400(srv):
+    """JSON can spell strings that are not Unicode text ("\\ud800") and nest past the parser's
+    recursion limit: both were 500s (a surrogate tag was even stored, breaking every later read
+    of the voice); now 400 before anything runs, and the voice stays as it was."""
+    headers = {**auth(), "content-type": "application/json"}
+    deep = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for path in ("/v1/tts", "/v1/audio/speech"):
+        field = "text" if path == "/v1/tts" else "input"
+        resp = httpx.post(srv.url + path, content=b'{"%s": "\\ud800 hi", "voice": "alloy"}' % field.encode(),
+                          headers=headers, timeout=60)
+        assert_error(resp, 400, "unicode")
+        assert_error(httpx.post(srv.url + path, content=deep, headers=headers, timeout=60), 400, "nested")
+    voice = create_raw(srv, title="Surrogate target").json()
+    url = srv.url + f"/model/{voice['_id']}"
+    assert_error(httpx.patch(url, content=b'{"tags": ["\\udfff"]}', headers=headers), 400, "unicode")
+    assert_error(httpx.post(srv.url + "/model", content=b'{"title": "x", "tags": ["\\udfff"], "texts": ["a"]}',
+                            headers=headers), 400, "unicode")
+    assert_error(httpx.patch(url, content=deep.replace(b'"text"', b'"tags"'), headers=headers), 400, "nested")
+    got = httpx.get(url, headers=auth())
+    assert got.status_code == 200 and got.json()["tags"] == voice["tags"]
+    assert httpx.delete(url, headers=auth()).status_code == 200

@@ -21,6 +21,7 @@ import soxr
 
 __all__ = [
     "AudioDecodeError",
+    "AudioLimitError",
     "SAMPLE_RATE",
     "load_audio",
     "resample",
@@ -39,6 +40,13 @@ class AudioDecodeError(ValueError):
     """The audio data could not be decoded."""
 
 
+class AudioLimitError(AudioDecodeError):
+    """The audio decodes, but is longer or stored at a lower rate than a caller accepts."""
+
+
+MIN_SAMPLE_RATE = 4000  # below telephone rates: not speech a codec at 44.1 kHz can clone from
+
+
 def resample(audio: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> np.ndarray:
     """Resample a mono float array with soxr (HQ); a no-op when the rates agree."""
     audio = np.asarray(audio, dtype=np.float32)
@@ -47,11 +55,15 @@ def resample(audio: np.ndarray, orig_sr: int, target_sr: int = SAMPLE_RATE) -> n
     return soxr.resample(audio, orig_sr, target_sr, quality="HQ").astype(np.float32, copy=False)
 
 
-def load_audio(source: AudioSource, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+def load_audio(source: AudioSource, sample_rate: int = SAMPLE_RATE, *,
+               max_seconds: float | None = None) -> np.ndarray:
     """Read audio (wav / flac / ogg / mp3 / anything libsndfile reads) → mono float32 at ``sample_rate``.
 
     ``source`` is a path, raw file bytes, or a binary file object.  Channels
-    are averaged; other rates are resampled with soxr (HQ).
+    are averaged; other rates are resampled with soxr (HQ).  ``max_seconds``: audio
+    longer than this, or stored at under :data:`MIN_SAMPLE_RATE` Hz, is refused from its
+    header, before anything is decoded or resampled (a few KB of 1 Hz audio would otherwise
+    resample to gigabytes).
     """
     name = "<bytes>"
     if isinstance(source, (str, os.PathLike)):
@@ -68,11 +80,30 @@ def load_audio(source: AudioSource, sample_rate: int = SAMPLE_RATE) -> np.ndarra
         f = source
         name = getattr(source, "name", "<stream>")
     try:
+        if max_seconds is not None:
+            _check_header(f, name, max_seconds)
         data, sr = sf.read(f, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
-        raise AudioDecodeError(f"cannot decode audio {name}: {e}") from None
+        if isinstance(e, AudioDecodeError):
+            raise
+        msg = str(e).replace(repr(f), name)  # libsndfile names the file object by its repr
+        raise AudioDecodeError(f"cannot decode audio {name}: {msg}") from None
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]
     return np.ascontiguousarray(resample(mono, int(sr), sample_rate), dtype=np.float32)
+
+
+def _check_header(f, name: str, max_seconds: float) -> None:
+    """Refuse ``f`` from its header: a duration over ``max_seconds`` or a sample rate under
+    :data:`MIN_SAMPLE_RATE` (a file object is rewound for the real read)."""
+    info = sf.info(f)
+    if hasattr(f, "seek"):
+        f.seek(0)
+    if info.samplerate < MIN_SAMPLE_RATE:
+        raise AudioLimitError(f"audio {name} is stored at {info.samplerate} Hz; the lowest rate "
+                               f"accepted is {MIN_SAMPLE_RATE} Hz")
+    seconds = info.frames / info.samplerate
+    if seconds > max_seconds:
+        raise AudioLimitError(f"audio {name} is {seconds:.1f} s long; the limit is {max_seconds:g} s")
 
 
 def to_int16(audio) -> np.ndarray:

@@ -43,3 +43,35 @@ def check_overload(load: Load, threshold: int, retry_after_s: int) -> None:
     if n >= threshold:
         raise APIError(503, f"server is overloaded ({n} requests pending, limit {threshold}); retry later",
                        {"Retry-After": str(retry_after_s)})
+
+
+def decode_object(raw: bytes, is_json: bool) -> object:
+    """A JSON or msgpack body decoded; 400 (never a 500) when it does not parse, nests too deep
+    for the parser, or holds a string that is not Unicode text (JSON's ``"\\ud800"``: a lone
+    surrogate, which no tokenizer, database or UTF-8 encoder accepts)."""
+    import json
+
+    import ormsgpack
+
+    kind = "JSON" if is_json else "msgpack"
+    try:
+        data = json.loads(raw) if is_json else ormsgpack.unpackb(raw)
+    except (ormsgpack.MsgpackDecodeError, ValueError, TypeError) as e:
+        raise APIError(400, f"cannot parse the {kind} body: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"cannot parse the {kind} body: nested too deeply") from None
+    stack = [data]
+    while stack:  # iterative: the body's depth is the client's choice
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"the {kind} body holds a string that is not valid Unicode "
+                                    "(a lone surrogate escape)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return data

@@ -48,6 +48,10 @@ log = logging.getLogger("shoal.server")
 # calls; later chunks grow to 32 frames (1.49 s) for efficient batched decode. The streaming
 # decoder gives the same audio (up to float rounding) for any chunking: latency changes only
 # when the audio arrives.
+# an inline reference longer than this is refused from its header, before decoding (the
+# voice library's per-sample limit; a prompt fits far less anyway)
+MAX_REFERENCE_SECONDS = 120.0
+
 LATENCY_SCHEDULES: dict[str, ChunkSchedule] = {
     "low": ChunkSchedule(first=2, growth=2.0, max_frames=32),  # ~93 ms of audio first
     "balanced": ChunkSchedule(first=4, growth=2.0, max_frames=32),  # ~186 ms
@@ -277,7 +281,7 @@ class TTSService:
                 self._ref_cache.move_to_end(key)
                 return hit
         try:
-            samples = load_audio(audio, self.sample_rate)
+            samples = load_audio(audio, self.sample_rate, max_seconds=MAX_REFERENCE_SECONDS)
         except AudioDecodeError as e:
             raise APIError(400, f"{where}: {e}") from None
         if samples.size < 2048:

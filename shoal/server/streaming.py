@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import ormsgpack
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -29,7 +27,7 @@ def media_type(request: Request) -> str:
 
 async def parse_body(request: Request, max_bytes: int, *, msgpack: bool = True) -> dict[str, Any]:
     """A msgpack or JSON object body; 415 for other content types, 400 when unparseable."""
-    from .limits import read_body
+    from .limits import decode_object, read_body
 
     ctype = media_type(request)
     is_json = ctype == "application/json" or ctype.endswith("+json")
@@ -38,11 +36,7 @@ async def parse_body(request: Request, max_bytes: int, *, msgpack: bool = True) 
         accepted = "application/msgpack or application/json" if msgpack else "application/json"
         raise APIError(415, f"unsupported Content-Type {ctype or '(none)'!r}; send {accepted}")
     raw = await read_body(request, max_bytes)
-    try:
-        data = ormsgpack.unpackb(raw) if is_msgpack else json.loads(raw)
-    except (ormsgpack.MsgpackDecodeError, ValueError, TypeError) as e:
-        kind = "msgpack" if is_msgpack else "JSON"
-        raise APIError(400, f"cannot parse the {kind} body: {e}") from None
+    data = decode_object(raw, is_json=not is_msgpack)
     if not isinstance(data, dict):
         raise APIError(400, f"the body must be an object, got {type(data).__name__}")
     return data

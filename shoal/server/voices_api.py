@@ -23,13 +23,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
-import ormsgpack
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -42,7 +40,7 @@ from ..voices.codec import codec_fingerprint
 from ..voices.store import SORT_KEYS
 from .config import ServerConfig
 from .errors import APIError
-from .limits import read_body
+from .limits import decode_object, read_body
 from .service import TTSService
 from .state import get_state
 from .streaming import MSGPACK_TYPES, media_type
@@ -252,10 +250,7 @@ async def read_form(request: Request, max_bytes: int, max_files: int) -> tuple[F
     is_json = ctype == "application/json" or ctype.endswith("+json")
     if is_json or ctype in MSGPACK_TYPES:
         raw = await read_body(request, max_bytes)
-        try:
-            data = json.loads(raw) if is_json else ormsgpack.unpackb(raw)
-        except (ValueError, TypeError, ormsgpack.MsgpackDecodeError) as e:
-            raise APIError(400, f"cannot parse the {'JSON' if is_json else 'msgpack'} body: {e}") from None
+        data = decode_object(raw, is_json)
         if not isinstance(data, dict):
             raise APIError(400, f"the body must be an object, got {type(data).__name__}")
         for name, value in data.items():

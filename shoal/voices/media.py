@@ -13,7 +13,7 @@ import io
 
 import numpy as np
 
-from ..codec.audio import AudioDecodeError, load_audio, resample
+from ..codec.audio import MIN_SAMPLE_RATE, AudioDecodeError, AudioLimitError, load_audio, resample
 from .errors import UnsupportedMedia
 
 __all__ = ["AUDIO_FORMATS", "IMAGE_TYPES", "UnsupportedMedia", "decode_audio", "sniff_audio", "sniff_image"]
@@ -46,7 +46,7 @@ def sniff_audio(data: bytes) -> str | None:
     return None
 
 
-def _decode_av(data: bytes, sample_rate: int) -> np.ndarray:
+def _decode_av(data: bytes, sample_rate: int, max_seconds: float | None = None) -> np.ndarray:
     try:
         import av
     except ImportError as e:  # pragma: no cover - PyAV is a dependency
@@ -59,11 +59,19 @@ def _decode_av(data: bytes, sample_rate: int) -> np.ndarray:
             rate = int(stream.codec_context.sample_rate or stream.rate or 0)
             if rate <= 0:
                 raise AudioDecodeError("the audio stream has no sample rate")
+            if rate < MIN_SAMPLE_RATE:
+                raise AudioLimitError(f"the audio is stored at {rate} Hz; the lowest rate accepted is "
+                                      f"{MIN_SAMPLE_RATE} Hz")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
             parts: list[np.ndarray] = []
+            limit = None if max_seconds is None else int(max_seconds * rate) + rate
+            got = 0
             for frame in container.decode(stream):
                 for out in resampler.resample(frame):
                     parts.append(out.to_ndarray().reshape(-1))
+                    got += parts[-1].size
+                if limit is not None and got > limit:  # decoding stops once it is over the limit
+                    raise AudioLimitError(f"the audio is over {max_seconds:g} s long; the limit is {max_seconds:g} s")
             for out in resampler.resample(None):
                 parts.append(out.to_ndarray().reshape(-1))
     except AudioDecodeError:
@@ -74,9 +82,11 @@ def _decode_av(data: bytes, sample_rate: int) -> np.ndarray:
     return np.ascontiguousarray(resample(mono, rate, sample_rate), dtype=np.float32)
 
 
-def decode_audio(data: bytes, sample_rate: int) -> tuple[str, np.ndarray]:
+def decode_audio(data: bytes, sample_rate: int, max_seconds: float | None = None) -> tuple[str, np.ndarray]:
     """``(format, mono float32 samples at sample_rate)``; :class:`UnsupportedMedia` when the bytes
-    are not one of :data:`AUDIO_FORMATS` or do not decode as one."""
+    are not one of :data:`AUDIO_FORMATS` or do not decode as one. ``max_seconds``: a file whose
+    header says it is longer (or stored under ``MIN_SAMPLE_RATE``) raises
+    :class:`~shoal.codec.audio.AudioLimitError` before it is decoded."""
     fmt = sniff_audio(data)
     if fmt is None:
         raise UnsupportedMedia("not a supported audio file (the content is not wav, flac, ogg, mp3 or "
@@ -85,7 +95,9 @@ def decode_audio(data: bytes, sample_rate: int) -> tuple[str, np.ndarray]:
     decoders = (_decode_av,) if fmt == "m4a" else (load_audio, _decode_av)
     for decoder in decoders:
         try:
-            samples = decoder(data, sample_rate)
+            samples = decoder(data, sample_rate, max_seconds=max_seconds)
+        except AudioLimitError:
+            raise  # the header was read: no other decoder may try (and resample) it
         except (AudioDecodeError, RuntimeError, ValueError) as e:
             errors.append(str(e))
             continue

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..codec.audio import AudioLimitError
 from .codec import Encoder
 from .errors import InvalidVoice, TooLarge, UnsupportedMedia, VoiceExists, VoiceNotFound, VoiceStoreError
 from .media import AUDIO_TYPES, IMAGE_TYPES, decode_audio, sniff_audio, sniff_image
@@ -483,9 +484,11 @@ class VoiceStore:
         codes = []
         for i, s in enumerate(samples):
             try:
-                fmt, pcm = decode_audio(s.audio, self.sample_rate)
+                fmt, pcm = decode_audio(s.audio, self.sample_rate, max_seconds=lim.max_sample_seconds)
             except UnsupportedMedia as e:
                 raise UnsupportedMedia(f"voices[{i}]: {e}") from None
+            except AudioLimitError as e:
+                raise InvalidVoice(f"voices[{i}]: {e}") from None
             seconds = pcm.size / self.sample_rate
             if seconds < lim.min_sample_seconds:
                 raise InvalidVoice(f"voices[{i}] is {seconds:.2f} s long; samples need at least "
