@@ -416,6 +416,9 @@ def test_json_bodies_with_lone_surrogates_or_deep_nesting_are_400(srv):
     assert_error(httpx.post(srv.url + "/model", content=b'{"title": "x", "tags": ["\\udfff"], "texts": ["a"]}',
                             headers=headers), 400, "unicode")
     assert_error(httpx.patch(url, content=deep.replace(b'"text"', b'"tags"'), headers=headers), 400, "nested")
+    for bad, why in (({"title": {"a": 1}}, "not an object"), ({"tags": [["x"]]}, "nested list"),
+                     ({"tags": [[[[["x"]]]]] * 2}, "nested list")):
+        assert_error(httpx.patch(url, json=bad, headers=auth()), 400, why)
     got = httpx.get(url, headers=auth())
     assert got.status_code == 200 and got.json()["tags"] == voice["tags"]
     assert httpx.delete(url, headers=auth()).status_code == 200

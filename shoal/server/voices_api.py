@@ -183,12 +183,15 @@ Fields = dict[str, list[str]]
 Files = dict[str, list[bytes]]
 
 
-def _add(fields: Fields, files: Files, name: str, value: Any) -> None:
-    if isinstance(value, (list, tuple)):
+def _add(fields: Fields, files: Files, name: str, value: Any, nested: bool = False) -> None:
+    if isinstance(value, (list, tuple)) and not nested:
         if name not in FILE_FIELDS:
             fields.setdefault(name, [])  # an explicit empty list (JSON / msgpack) clears, e.g. tags
         for v in value:
-            _add(fields, files, name, v)
+            _add(fields, files, name, v, nested=True)
+    elif isinstance(value, (list, tuple, dict)):  # an object, or a list inside the list
+        raise APIError(400, f"{name} must be a string, a number or a list of them, "
+                            f"not {'an object' if isinstance(value, dict) else 'a nested list'}")
     elif isinstance(value, (bytes, bytearray, memoryview)):
         files.setdefault(name, []).append(bytes(value))
     elif name in FILE_FIELDS and isinstance(value, str):  # JSON: base64 (optionally a data: URL)
