@@ -83,9 +83,9 @@ def load_audio(source: AudioSource, sample_rate: int = SAMPLE_RATE, *,
         if max_seconds is not None:
             _check_header(f, name, max_seconds)
         data, sr = sf.read(f, dtype="float32", always_2d=True)
+    except AudioDecodeError:
+        raise
     except (sf.LibsndfileError, RuntimeError, TypeError, ValueError) as e:
-        if isinstance(e, AudioDecodeError):
-            raise
         msg = str(e).replace(repr(f), name)  # libsndfile names the file object by its repr
         raise AudioDecodeError(f"cannot decode audio {name}: {msg}") from None
     mono = data.mean(axis=1, dtype=np.float32) if data.shape[1] > 1 else data[:, 0]

@@ -70,40 +70,30 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(shape.head_dim, eps=eps)
             self.k_norm = nn.RMSNorm(shape.head_dim, eps=eps)
 
+    def _qkv(self, x: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k (qk-normed where the shape says, RoPE applied) and v of ``x`` [B, S, dim]."""
+        B, S, _ = x.shape
+        sh = self.shape
+        q, k, v = self.wqkv(x).split([sh.q_size, sh.kv_size, sh.kv_size], dim=-1)
+        q = q.view(B, S, sh.n_head, sh.head_dim)
+        k = k.view(B, S, sh.n_local_heads, sh.head_dim)
+        v = v.view(B, S, sh.n_local_heads, sh.head_dim)
+        if sh.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return apply_rope(q, cos_sin), apply_rope(k, cos_sin), v
+
     def forward(self, x: Tensor, cos_sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         B, S, _ = x.shape
-        sh = self.shape
-        q, k, v = self.wqkv(x).split([sh.q_size, sh.kv_size, sh.kv_size], dim=-1)
-        q = q.view(B, S, sh.n_head, sh.head_dim)
-        k = k.view(B, S, sh.n_local_heads, sh.head_dim)
-        v = v.view(B, S, sh.n_local_heads, sh.head_dim)
-        if sh.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos_sin)
-        k = apply_rope(k, cos_sin)
+        q, k, v = self._qkv(x, cos_sin)
         y = backend.attend(layer, q, k, v)
-        return self.wo(y.reshape(B, S, sh.q_size))
+        return self.wo(y.reshape(B, S, self.shape.q_size))
 
-    def write_kv(self, x: Tensor, cos_sin: Tensor, backend: AttentionBackend, layer: int) -> None:
-        """Only this layer's K/V writes for ``x`` (what a later position reads of it): for a
-        position whose output nothing reads. Backends without ``write_kv`` attend as usual
-        and the output is dropped."""
-        B, S, _ = x.shape
-        sh = self.shape
-        q, k, v = self.wqkv(x).split([sh.q_size, sh.kv_size, sh.kv_size], dim=-1)
-        k = k.view(B, S, sh.n_local_heads, sh.head_dim)
-        v = v.view(B, S, sh.n_local_heads, sh.head_dim)
-        if sh.qk_norm:
-            k = self.k_norm(k)
-        k = apply_rope(k, cos_sin)
-        if hasattr(backend, "write_kv"):
-            backend.write_kv(layer, k, v)
-            return
-        q = q.view(B, S, sh.n_head, sh.head_dim)
-        if sh.qk_norm:
-            q = self.q_norm(q)
-        backend.attend(layer, apply_rope(q, cos_sin), k, v)
+    def write_kv(self, x: Tensor, cos_sin: Tensor, backend, layer: int) -> None:
+        """Only this layer's K/V writes for ``x`` (what a later position reads of it), for a
+        position whose output nothing reads; ``backend`` has ``write_kv(layer, k, v)``."""
+        _, k, v = self._qkv(x, cos_sin)
+        backend.write_kv(layer, k, v)
 
 
 class FeedForward(nn.Module):

@@ -40,18 +40,19 @@ from ..text import Reference, build_session
 from ..text.normalize import normalize_text
 from ..text.prompt import PromptSession
 from ..tts import TTS
+from ..voices.store import StoreLimits
 from .errors import APIError
 
 log = logging.getLogger("shoal.server")
+
+# an inline reference longer than this is refused from its header, before decoding: the voice
+# library's per-sample limit (a prompt fits far less anyway)
+MAX_REFERENCE_SECONDS = StoreLimits.max_sample_seconds
 
 # ``latency`` -> audio chunk schedule. Smaller first chunk = earlier first audio, more codec
 # calls; later chunks grow to 32 frames (1.49 s) for efficient batched decode. The streaming
 # decoder gives the same audio (up to float rounding) for any chunking: latency changes only
 # when the audio arrives.
-# an inline reference longer than this is refused from its header, before decoding (the
-# voice library's per-sample limit; a prompt fits far less anyway)
-MAX_REFERENCE_SECONDS = 120.0
-
 LATENCY_SCHEDULES: dict[str, ChunkSchedule] = {
     "low": ChunkSchedule(first=2, growth=2.0, max_frames=32),  # ~93 ms of audio first
     "balanced": ChunkSchedule(first=4, growth=2.0, max_frames=32),  # ~186 ms
