@@ -248,6 +248,17 @@ def test_bad_key_is_rejected_before_the_upgrade(main):
         list(client.tts.stream_websocket(iter(["x"])))
 
 
+def test_plain_http_to_the_websocket_route_is_426(main):
+    import httpx
+
+    for method in ("GET", "POST"):
+        r = httpx.request(method, main.url + "/v1/tts/live", json={"text": "x"} if method == "POST" else None)
+        assert r.status_code == 426, (method, r.status_code, r.text)
+        assert r.headers["upgrade"] == "websocket"
+        body = r.json()
+        assert body["status"] == 426 and "WebSocket" in body["message"]
+
+
 # --------------------------------------------------------------------------- same audio as /v1/tts
 EQUAL_TEXT = ["Hello ", "there, ", "my ", "friend. ", "How ", "are ", "you ", "today?"]
 EQUAL_SEGMENTS = ["Hello there, my friend.", "How are you today?"]

@@ -691,6 +691,15 @@ async def _deny(ws: WebSocket, e: APIError) -> None:
         await ws.close(CLOSE_POLICY)
 
 
+@router.api_route(ROUTE, methods=["GET", "POST"], include_in_schema=False)
+async def tts_live_plain_http() -> JSONResponse:
+    """A plain HTTP request to the WebSocket route: 426 with the upgrade it needs (a 404 or
+    405 would suggest the route does not exist)."""
+    return JSONResponse(error_body(426, f"{ROUTE} is a WebSocket endpoint: connect with a WebSocket "
+                                   "upgrade (ws:// or wss://); for one request over HTTP use POST /v1/tts"),
+                        status_code=426, headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+
+
 @router.websocket(ROUTE)
 async def tts_live(websocket: WebSocket) -> None:
     state: ServerState = websocket.app.state.shoal
