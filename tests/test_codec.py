@@ -348,10 +348,14 @@ def test_random_codec_matches_reference_format(tmp_path, tiny_config):
     c = load_codec(tmp_path)  # picks up codec_config.json
     wave = c.decode(torch.randint(0, 1024, (1, 10, 6)))
     assert 0.01 < float(wave.abs().max()) < 0.95  # not silent, not saturated
-    # deterministic, and the golden recipe: seed 4242 reproduces the golden file bit for bit
+    # deterministic on one machine, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(random_codec_state_dict(tiny_config, 7).values(), sd.values()))
+    # and the golden recipe: seed 4242 reproduces the golden file to the last bit of fp32 exp(),
+    # whose vectorized CPU kernel rounds a few values one ulp apart between AVX2 and AVX512
+    # machines (the normal draws themselves are identical everywhere)
     rep = random_codec_state_dict(tiny_config, 4242)
-    assert all(torch.equal(rep[k], golden_sd[k]) for k in golden_sd)
+    for k in golden_sd:
+        torch.testing.assert_close(rep[k], golden_sd[k], rtol=3e-7, atol=0, msg=k)
 
 
 # ----------------------------------------------------------------------------- CLI helpers
