@@ -53,7 +53,7 @@ from ..engine.async_engine import EngineStopped
 from ..engine.request import EngineRequest, FinishEvent, GridSession, Priority
 from ..text import SPEAKER_TAG_RE, Reference, build_session, encode_parts
 from ..text.prompt import TextPart, VQPart
-from .errors import APIError, error_body, format_validation_errors
+from .errors import APIError, error_body, error_response, format_validation_errors
 from .limits import check_text_length
 from .output import AudioPipeline, ProsodySpec
 from .prosody import ProsodyProcessor
@@ -695,9 +695,9 @@ async def _deny(ws: WebSocket, e: APIError) -> None:
 async def tts_live_plain_http() -> JSONResponse:
     """A plain HTTP request to the WebSocket route: 426 with the upgrade it needs (a 404 or
     405 would suggest the route does not exist)."""
-    return JSONResponse(error_body(426, f"{ROUTE} is a WebSocket endpoint: connect with a WebSocket "
-                                   "upgrade (ws:// or wss://); for one request over HTTP use POST /v1/tts"),
-                        status_code=426, headers={"Upgrade": "websocket", "Connection": "Upgrade"})
+    return error_response(426, f"{ROUTE} is a WebSocket endpoint: connect with a WebSocket upgrade "
+                          "(ws:// or wss://); for one request over HTTP use POST /v1/tts",
+                          headers={"Upgrade": "websocket", "Connection": "Upgrade"})
 
 
 @router.websocket(ROUTE)
