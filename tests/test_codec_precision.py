@@ -79,6 +79,24 @@ def test_mixed_codec_dtypes(codecs):
     assert all(torch.equal(a, b) for a, b in zip(late.state_dict().values(), mixed.state_dict().values()))
 
 
+@golden
+def test_place_on_another_device_casts_first():
+    """Placing on another device casts each side where its weights are, then moves it (no
+    staging copies in the source dtype on the target); the dtypes and values are those of
+    the same-device cast."""
+    ref = _load(decode_dtype=B16)
+    for dec in (B16, None):
+        moved = _load().place("meta", F32, dec)
+        assert {p.device.type for p in moved.parameters()} == {"meta"}
+        assert _param_dtypes(moved.decode_modules()) == {dec or F32}
+        assert _param_dtypes(moved.encode_modules()) == {F32}
+    # the cast itself is the one place() does on the same device
+    host = _load()
+    for m in host.decode_modules():
+        m.to(dtype=B16)
+    assert all(torch.equal(a, b) for a, b in zip(host.state_dict().values(), ref.state_dict().values()))
+
+
 # ----------------------------------------------------------------------------- encode
 @golden
 def test_mixed_encode_is_the_fp32_encode(codecs, clip):

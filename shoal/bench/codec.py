@@ -268,16 +268,26 @@ def encoder_bench(codec, dev, n_clips: int, seconds: float) -> dict:
 def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane: bool) -> dict:
     """What the engine's audio streamer keeps on the GPU for ``streams`` stream slots after its
     warm-up (every CUDA graph captured), on a copy of the codec as ``shoal serve`` places it
-    (encode side fp32, decode side bf16, the serving decoder layout): the decode side's
+    (encode side fp32, decode side bf16, both placed from host copies of the weights like
+    :func:`shoal.codec.loader.load_codec`; the serving decoder layout): the decode side's
     weights, the streamer's state slots, each lane's static graph state and graph pool, and
     the total the decode path holds (the encoder's weights listed apart)."""
+    from ..codec.model import Codec
     from ..codec.streaming import StreamingDecoder
     from ..engine.audio import AudioStreamer, ChunkSchedule
 
     sync(dev)
     torch.cuda.empty_cache()
+    # the weights go through the host as load_codec places them (each side cast once on its
+    # way to the GPU): a GPU copy converted in place would leave the fp32 decode weights'
+    # blocks reserved, interleaved with live ones, and count them as the codec's
+    host = {k: v.detach().to("cpu") for k, v in codec32.state_dict().items()}
     a0, r0 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-    codec = copy.deepcopy(codec32).set_decode_dtype(torch.bfloat16)
+    with torch.device("meta"):
+        codec = Codec(codec32.config)
+    codec.load_state_dict(host, strict=True, assign=True)
+    codec = codec.place(dev, torch.float32, torch.bfloat16).eval().requires_grad_(False)
+    del host
     sync(dev)
     a1 = torch.cuda.memory_allocated(dev)
     enc_b = sum(p.numel() * p.element_size() for m in codec.encode_modules() for p in m.parameters())

@@ -153,6 +153,12 @@ class GraphStats:
     eager_reasons: dict = field(default_factory=dict)
 
 
+def warmup_order(batches, chunk_frames) -> list[tuple[int, int]]:
+    """(batch, frames) pairs to capture, largest call (batch x frames) first; ties by batch."""
+    return sorted(((int(b), int(t)) for b in batches for t in chunk_frames),
+                  key=lambda bt: (-bt[0] * bt[1], -bt[0]))
+
+
 class GraphedStreamingDecoder(StreamingDecoder):
     """:class:`StreamingDecoder` whose ``decode_chunk`` replays CUDA graphs.
 
@@ -171,7 +177,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
     """
 
     def __init__(self, codec: Codec, batch_buckets: tuple[int, ...] | None = None,
-                 chunk_frames: tuple[int, ...] = (4, 8, 16, 32), max_frames: int = 1 << 18,
+                 chunk_frames: tuple[int, ...] = (4, 8, 16, 32), max_frames: int = 1 << 16,
                  max_batch: int = 64, enabled: bool | None = None):
         super().__init__(codec)
         self.batch_buckets = tuple(sorted(batch_buckets)) if batch_buckets else _pow2_buckets(max_batch)
@@ -197,6 +203,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         # keeps the SM partition of the stream it was captured on (a green-context stream,
         # shoal.engine.sm_partition), not of the stream it is replayed on.
         self.capture_stream: torch.cuda.Stream | None = None
+        self._side: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ graph path
     @property
@@ -332,7 +339,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
             views = self._bound_view(bb)
         else:
             views = self._views(bb)
-        side = self.capture_stream if self.capture_stream is not None else torch.cuda.Stream(dev)
+        side = self.capture_stream if self.capture_stream is not None else self._side_stream()
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.no_grad():
             with torch.cuda.stream(side):  # warm-up: cuDNN autotuning, Triton compilation
@@ -342,7 +349,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.capture_stream,
+            with torch.cuda.graph(graph, pool=self._pool, stream=side,
                                   capture_error_mode="thread_local"):
                 out = self._decode(codes, views, self.rope)
         g = _Graph(graph, codes, out)
@@ -351,14 +358,24 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self.stats.capture_s += time.perf_counter() - t0
         return g
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The one stream this decoder warms up and captures on when no ``capture_stream`` is
+        set. One, not a fresh one per capture: every stream cuBLAS runs on gets its own
+        workspace (32 MiB on sm_90), kept for the life of the process."""
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.codec.device)
+        return self._side
+
     def warmup(self, batches: tuple[int, ...] | None = None, chunk_frames: tuple[int, ...] | None = None) -> None:
-        """Capture every (bucket, chunk size) pair ahead of traffic."""
+        """Capture every (bucket, chunk size) pair ahead of traffic, the largest call first:
+        the graphs share one memory pool, and a capture reuses the blocks the captures before
+        it freed only where they are big enough, so smallest-first leaves every larger capture
+        new segments on top of the old ones (``warmup_order``)."""
         if not self.enabled:
             return
         with self._lock:
-            for b in batches or self.batch_buckets:
-                for t in chunk_frames or self.chunk_frames:
-                    self.capture(b, t)
+            for b, t in warmup_order(batches or self.batch_buckets, chunk_frames or self.chunk_frames):
+                self.capture(b, t)
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -429,9 +446,11 @@ def snake_epilogue_mode() -> bool | str:
 def group_positions_default() -> int | None:
     """The serving decoder's row-group size, ``SHOAL_CODEC_GROUP_POSITIONS``: the decoder's
     high-rate blocks run over groups of streams holding at most this many input positions
-    (streams x 4 x frames; default 1024, i.e. 8 streams x 32 frames), which bounds what a call
-    -- and the CUDA-graph pool that records it -- keeps of activations; ``0`` turns it off."""
-    v = os.environ.get("SHOAL_CODEC_GROUP_POSITIONS", "1024").strip()
+    (streams x 4 x frames; default 512, i.e. 4 streams x 32 frames), which bounds what a call
+    -- and the CUDA-graph pool that records it -- keeps of activations; ``0`` turns it off.
+    512 against 1,024: a graph pool of 0.29 GiB against 0.98 for 24 graphs of up to 32 x 32
+    frames, for calls ~2-3% slower (H200, docs/benchmarks.md 2026-12-04)."""
+    v = os.environ.get("SHOAL_CODEC_GROUP_POSITIONS", "512").strip()
     try:
         n = int(v or 0)
     except ValueError:
