@@ -504,3 +504,23 @@ def test_warmup_order_captures_the_largest_call_first():
     assert sizes == sorted(sizes, reverse=True)
     # equal sizes: the bigger batch first, deterministically
     assert order.index((32, 4)) < order.index((4, 32))
+
+
+@golden
+def test_new_state_is_the_packed_fresh_state(codec):
+    """new_state allocates its packed buffers once, zeroed, from the modules' state shapes;
+    that is the state the modules' own fresh tensors packed together would give."""
+    from shoal.codec.layers import StreamState
+    from shoal.codec.streaming import StreamingDecoder
+
+    dec = StreamingDecoder(codec)
+    fresh = {}
+    for m in dec._stateful:
+        fresh.update(m.init_stream_state(3, codec.device, codec.dtype))
+    ref = StreamState.packed(fresh, {codec.quantizer.post_module.state_key: 0})
+    st = dec.new_state(3)
+    assert st.layout == ref.layout and st.bounds == ref.bounds
+    assert {dt: f.shape for dt, f in st.flat.items()} == {dt: f.shape for dt, f in ref.flat.items()}
+    assert all(torch.equal(st.flat[dt], ref.flat[dt]) for dt in ref.flat)
+    assert all(torch.count_nonzero(v) == 0 for v in fresh.values())
+    assert st.nbytes() == 3 * dec.state_nbytes_per_stream()

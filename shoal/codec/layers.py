@@ -88,6 +88,23 @@ class StreamState:
         return out
 
     @staticmethod
+    def packed_zeros(shapes: dict[str, Tensor], bounds: dict[str, int] | None = None,
+                     device: torch.device | str | None = None) -> "StreamState":
+        """A packed state (see :meth:`packed`) of all zeros with the keys, shapes and dtypes
+        of ``shapes`` (meta tensors will do), allocated once on ``device``: no per-tensor
+        buffers allocated and freed first (their freed blocks would stay reserved between
+        later long-lived allocations: ~the state's size again, measured on an H200)."""
+        B = next(iter(shapes.values())).shape[0] if shapes else 0
+        sizes: dict[torch.dtype, int] = {}
+        layout = []
+        for k, v in shapes.items():
+            n = int(torch.Size(v.shape[1:]).numel())
+            layout.append((k, v.dtype, tuple(v.shape[1:]), sizes.get(v.dtype, 0)))
+            sizes[v.dtype] = sizes.get(v.dtype, 0) + n
+        return StreamState._over(tuple(layout), {dt: torch.zeros(B, n, dtype=dt, device=device)
+                                                 for dt, n in sizes.items()}, bounds)
+
+    @staticmethod
     def _over(layout: tuple, flat: dict[torch.dtype, Tensor], bounds: dict[str, int] | None) -> "StreamState":
         """The packed state of ``layout`` ((key, dtype, shape, offset) per tensor) over ``flat``."""
         B = next(iter(flat.values())).shape[0] if flat else 0
@@ -254,6 +271,8 @@ class StreamingModule(nn.Module):
     state_key: str = ""
 
     def init_stream_state(self, batch_size: int, device, dtype) -> dict[str, Tensor]:
+        """A fresh stream's state tensors: all zeros (``StreamingDecoder.new_state`` asks for
+        them on the meta device and allocates the packed zeros itself)."""
         return {}
 
 

@@ -71,14 +71,14 @@ class StreamingDecoder:
         forces one for all."""
         device = self.codec.device if device is None else device
         tensors: dict[str, Tensor] = {}
-        for m in self._stateful:
+        for m in self._stateful:  # shapes and dtypes only: a fresh stream's state is all zeros
             tensors.update(m.init_stream_state(
-                batch_size, device, dtype if dtype is not None else _module_dtype(m, self.codec.dtype)))
+                batch_size, "meta", dtype if dtype is not None else _module_dtype(m, self.codec.dtype)))
         bounds = {self.codec.quantizer.post_module.state_key: 0}
         if torch.device(device).type == "meta":
             return DecoderState(tensors, bounds)
         # packed: a stream's whole row is gathered / scattered in one op per dtype
-        return DecoderState.packed(tensors, bounds)
+        return DecoderState.packed_zeros(tensors, bounds, device)
 
     def state_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-stream shape and dtype of every state tensor (for preallocating slot pools)."""
