@@ -268,20 +268,17 @@ def test_graph_code_path_pooled_rows(codec):
 
 
 @golden
-@pytest.mark.parametrize("group_positions", [None, 16])
-def test_bound_decoder_decodes_pool_rows_in_place(codec, group_positions):
+@pytest.mark.parametrize("group_positions,window_state", [(None, "kv"), (16, "kv"), (16, "hidden")])
+def test_bound_decoder_decodes_pool_rows_in_place(codec, group_positions, window_state):
     """A decoder bound to the streamer's slot pool records its graphs over the pool's rows
     (no state copy of its own): its code path equals eager decode_rows on a copy of the pool,
-    with padded buckets, row groups and KV eviction; rows it was not given are untouched but
-    the scratch row; an unbound state runs eagerly."""
-    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
-    from shoal.codec.layers import IndexedState
-
-    codec.configure_serving(group_positions=group_positions)
+    with padded buckets, row groups and KV eviction (or the hidden-input window's); rows it
+    was not given are untouched but the scratch row; an unbound state runs eagerly."""
+    codec.configure_serving(group_positions=group_positions, window_state=window_state)
     try:
         _bound_decoder_case(codec)
     finally:
-        codec.configure_serving(group_positions=None)
+        codec.configure_serving(group_positions=None, window_state="kv")
 
 
 def _bound_decoder_case(codec):

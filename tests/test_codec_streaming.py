@@ -18,9 +18,12 @@ pytestmark = pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="gold
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def codec():
-    return load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+@pytest.fixture(scope="module", params=["kv", "hidden"])
+def codec(request):
+    """The tiny codec carrying either window state (``window_state``: the transformer's keys
+    and values, or its layers' normed inputs with keys and values recomputed per call)."""
+    c = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    return c.configure_serving(window_state=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +207,12 @@ def test_state_layout(dec, codec):
     layout = dec.state_layout()
     assert layout["quantizer.post_module.pos"] == ((), torch.int64)
     w = codec.config.quantizer.post_module
-    assert layout["quantizer.post_module.layers.0.k"][0] == (w.n_head, w.window_size - 1, w.head_dim)
+    if codec.quantizer.post_module.window_state == "kv":
+        assert layout["quantizer.post_module.layers.0.k"][0] == (w.n_head, w.window_size - 1, w.head_dim)
+        assert "quantizer.post_module.layers.0.h" not in layout
+    else:  # half the bytes: one [window - 1, dim] row per layer instead of keys and values
+        assert layout["quantizer.post_module.layers.0.h"][0] == (w.window_size - 1, w.dim)
+        assert "quantizer.post_module.layers.0.k" not in layout
     # dilated k7 conv of the last residual unit keeps (7 - 1) * 9 samples
     assert layout["decoder.model.4.block.4.block.1"][0] == (4, 54)
     # decoder transposed conv (k = 2 stride) keeps a stride-long overlap tail
@@ -240,3 +248,22 @@ def test_packed_state_rows_move_together(dec):
     key = next(iter(st.tensors))
     st[key] = st.tensors[key].clone()
     assert st.flat is None
+
+
+def test_window_states_give_the_same_audio():
+    """The hidden-input window recomputes the keys and values the kv window carries: the same
+    function (fp32: to rounding), at half the per-stream bytes of the transformer's window."""
+    a = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    b = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json")).configure_serving(
+        window_state="hidden")
+    codes = random_codes(150, seed=9, batch=2)  # past the 128-frame window
+    sched = [1, 7, 32, 3, 64, 43]
+    da, db = StreamingDecoder(a), StreamingDecoder(b)
+    out_a, out_b = stream(da, codes, sched), stream(db, codes, sched)
+    assert err(out_a, out_b) <= 1e-5
+    def window_bytes(d):
+        return sum(v.numel() * v.element_size() for k, v in d.new_state(1).tensors.items()
+                   if ".layers." in k and k.startswith("quantizer.post_module"))
+    assert 2 * window_bytes(db) == window_bytes(da)
+    with pytest.raises(ValueError, match="window_state"):
+        a.configure_serving(window_state="fp8")

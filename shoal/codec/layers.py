@@ -649,6 +649,20 @@ class Attention(nn.Module):
         k = apply_rotary_emb(k, cos_sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
 
+    def qkv_window(self, x: Tensor, window: Tensor, cos_q: Tensor, cos_k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries of the new positions ``x`` [B, t, C]; keys and values of ``window``
+        [B, T, C] (the carried positions then ``x``'s): the rows of ``wqkv`` apart, each
+        rotated by its own table rows. [B, H, *, D] each."""
+        b, t, _ = x.shape
+        T = window.shape[1]
+        hd = self.n_head * self.head_dim
+        w = self.wqkv.weight
+        q = F.linear(x, w[:hd]).view(b, t, self.n_head, self.head_dim)
+        k, v = F.linear(window, w[hd:]).view(b, T, 2, self.n_head, self.head_dim).unbind(2)
+        q = apply_rotary_emb(q, cos_q)
+        k = apply_rotary_emb(k, cos_k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
     def out(self, y: Tensor) -> Tensor:
         b, _, t, _ = y.shape
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_head * self.head_dim))
@@ -682,8 +696,15 @@ class WindowLimitedTransformer(StreamingModule):
     * ``{key}.pos``: int64 [B], frames already consumed by each stream;
     * ``{key}.layers.{i}.k`` / ``.v``: [B, H, window−1, head_dim], the rotated
       keys / values of the last window−1 positions (older slots of a young
-      stream are masked by position).
+      stream are masked by position), when ``window_state == "kv"`` (default);
+    * ``{key}.layers.{i}.h``: [B, window−1, dim], the layer's normed inputs of the
+      last window−1 positions instead, when ``window_state == "hidden"``: half the
+      bytes per stream; each call recomputes those positions' keys and values
+      (one GEMM over window−1 + t rows per layer instead of t) -- the same
+      function, not the same bits.
     """
+
+    WINDOW_STATES = ("kv", "hidden")
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -691,6 +712,7 @@ class WindowLimitedTransformer(StreamingModule):
         self.window = cfg.window_size
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.window_state = "kv"  # Codec.configure_serving(window_state=...), before new_state
 
     def _rope(self, n: int, device) -> Tensor:
         return rope_table(n, self.cfg.head_dim, self.cfg.rope_base, device)
@@ -752,13 +774,23 @@ class WindowLimitedTransformer(StreamingModule):
         cos_sin = table[q_pos if rope is None else q_pos.clamp(max=table.shape[0] - 1)]  # [B, t, D/2, 2]
         k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
         mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
+        hidden = self.window_state == "hidden"
+        if hidden:  # the window's keys are rotated again: negative (masked) positions read row 0
+            k_cs = table[k_pos.clamp(min=0, max=table.shape[0] - 1)]  # [B, P + t, D/2, 2]
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
-            kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
-            k = torch.cat([state[kk].to(k.dtype), k], dim=2)
-            v = torch.cat([state[vk].to(v.dtype), v], dim=2)
-            state.store(kk, k[:, :, k.shape[2] - P:])
-            state.store(vk, v[:, :, v.shape[2] - P:])
+            if hidden:
+                hn = layer.attention_norm(x)
+                hk = f"{key}.layers.{i}.h"
+                hh = torch.cat([state[hk].to(hn.dtype), hn], dim=1)  # [B, P + t, C]
+                state.store(hk, hh[:, hh.shape[1] - P:])
+                q, k, v = layer.attention.qkv_window(hn, hh, cos_sin, k_cs)
+            else:
+                q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
+                kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
+                k = torch.cat([state[kk].to(k.dtype), k], dim=2)
+                v = torch.cat([state[vk].to(v.dtype), v], dim=2)
+                state.store(kk, k[:, :, k.shape[2] - P:])
+                state.store(vk, v[:, :, v.shape[2] - P:])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
@@ -769,8 +801,12 @@ class WindowLimitedTransformer(StreamingModule):
     def init_stream_state(self, batch_size, device, dtype):
         key = self.state_key
         P = self.window - 1
-        shape = (batch_size, self.cfg.n_head, P, self.cfg.head_dim)
         out = {f"{key}.pos": torch.zeros(batch_size, dtype=torch.long, device=device)}
+        if self.window_state == "hidden":
+            for i in range(self.cfg.n_layer):
+                out[f"{key}.layers.{i}.h"] = torch.zeros(batch_size, P, self.cfg.dim, device=device, dtype=dtype)
+            return out
+        shape = (batch_size, self.cfg.n_head, P, self.cfg.head_dim)
         for i in range(self.cfg.n_layer):
             out[f"{key}.layers.{i}.k"] = torch.zeros(shape, device=device, dtype=dtype)
             out[f"{key}.layers.{i}.v"] = torch.zeros(shape, device=device, dtype=dtype)

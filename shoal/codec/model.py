@@ -533,7 +533,8 @@ class Codec(nn.Module):
 
     def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
                           triton_conv: bool | None = None, snake_epilogue: bool | str | None = None,
-                          group_positions: int | None | bool = False) -> "Codec":
+                          group_positions: int | None | bool = False,
+                          window_state: str | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -549,8 +550,19 @@ class Codec(nn.Module):
         Snakes stay separate kernels. ``group_positions``: the decoder's blocks after the first
         run over groups of streams of at most this many input positions (streams x 4 x frames;
         ``None``: no groups; left unchanged when not given): the same numbers, a bounded
-        activation peak (see ``Decoder.row_groups``).
+        activation peak (see ``Decoder.row_groups``). ``window_state``: what a stream carries
+        of the codec transformer's attention window (``WindowLimitedTransformer``): ``"kv"``
+        its keys and values, ``"hidden"`` each layer's normed inputs (half the bytes; keys and
+        values recomputed per call); set it before any stream state is made.
         """
+        if window_state is not None:
+            from .layers import WindowLimitedTransformer
+
+            ws = str(window_state).strip().lower()
+            if ws not in WindowLimitedTransformer.WINDOW_STATES:
+                raise ValueError(f"window_state must be one of {WindowLimitedTransformer.WINDOW_STATES}, "
+                                 f"got {window_state!r}")
+            self.quantizer.post_module.window_state = ws
         if group_positions is not False:
             if group_positions is not None and int(group_positions) < 1:
                 raise ValueError(f"group_positions must be >= 1 or None, got {group_positions!r}")

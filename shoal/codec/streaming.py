@@ -16,6 +16,7 @@ key                                                     shape (per stream)      
 ======================================================  ==============================  =====
 ``quantizer.post_module.pos``                           [] int64                        frames consumed (RoPE position of the next frame)
 ``quantizer.post_module.layers.{i}.k`` / ``.v``         [H, window−1, head_dim]         rotated keys / values of the last window−1 frames
+``quantizer.post_module.layers.{i}.h`` (instead)        [window−1, dim]                 the layer's normed inputs (``window_state="hidden"``)
 ``quantizer.upsample.{j}.0``                            [C, k − stride]                 transposed-conv overlap tail (absent when k == stride)
 ``quantizer.upsample.{j}.1.dwconv``                     [C, kernel − 1]                 ConvNeXt depthwise-conv input context
 ``decoder.model.0`` …                                   [C_in, (k−1)·dilation]          causal-conv input context (k = 1 convs carry none)
@@ -460,6 +461,17 @@ def group_positions_default() -> int | None:
     return n or None
 
 
+def window_state_default() -> str:
+    """What a serving stream carries of the codec transformer's window,
+    ``SHOAL_CODEC_WINDOW_STATE``: ``kv`` (default; keys and values, 4.0 MiB per stream for the
+    real codec) or ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and values
+    recomputed each call)."""
+    v = os.environ.get("SHOAL_CODEC_WINDOW_STATE", "kv").strip().lower() or "kv"
+    if v not in ("kv", "hidden"):
+        raise ValueError(f"SHOAL_CODEC_WINDOW_STATE must be 'kv' or 'hidden', got {v!r}")
+    return v
+
+
 def configure_serving_layout(codec: Codec) -> str:
     """Put the codec's decoder in the layout serving uses (see :func:`serving_decoder`); returns
     it: "triton" (Triton implicit-GEMM convs, channels-last), "cudnn-cl" or "cudnn"."""
@@ -467,6 +479,7 @@ def configure_serving_layout(codec: Codec) -> str:
 
     if codec.device.type == "cuda":
         codec.configure_serving(group_positions=group_positions_default())
+    codec.configure_serving(window_state=window_state_default())
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())
