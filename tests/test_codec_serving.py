@@ -521,3 +521,26 @@ def test_new_state_is_the_packed_fresh_state(codec):
     assert all(torch.equal(st.flat[dt], ref.flat[dt]) for dt in ref.flat)
     assert all(torch.count_nonzero(v) == 0 for v in fresh.values())
     assert st.nbytes() == 3 * dec.state_nbytes_per_stream()
+
+
+@golden
+def test_conv_weights_packed_ahead_of_the_first_call(codec):
+    """pack_conv_weights builds every Triton conv's packed weight once (the layout serving
+    uses), so no call allocates one between its activations; later calls reuse it."""
+    import copy
+
+    from shoal.codec.layers import CausalConv1d
+    from shoal.codec.streaming import pack_conv_weights
+    from shoal.kernels.codec_conv import pack_conv_weight
+
+    c = copy.deepcopy(codec).configure_serving(channels_last=True, triton_conv=True)
+    n = pack_conv_weights(c)
+    convs = [m for m in c.decoder.modules() if getattr(m, "_packed", None) is not None]
+    assert convs and n == sum(m._packed[1].numel() * m._packed[1].element_size() for m in convs)
+    for m in convs:
+        before = m._packed[1]
+        assert m.packed_weight() is before  # not packed again
+        if isinstance(m, CausalConv1d):
+            assert torch.equal(before, pack_conv_weight(m.conv.weight.detach()))
+    # the transposed convs that run as 2-tap GEMMs are packed too
+    assert any(getattr(m, "as_gemm", False) for m in convs)

@@ -265,6 +265,28 @@ def encoder_bench(codec, dev, n_clips: int, seconds: float) -> dict:
             "batched_audio_s_per_s": total / t_batch, "codes_identical": f"{same}/{n_clips}"}
 
 
+def pool_breakdown(dev) -> dict:
+    """The process's reserved GPU memory by allocator pool, from a memory snapshot: the
+    default pool (reserved, allocated, and free but held -- blocks ``empty_cache`` cannot return
+    because a live block shares their segment) and the private pools of CUDA graphs."""
+    gib = 2 ** 30
+    out = {"default_reserved_gib": 0.0, "default_allocated_gib": 0.0, "graph_pools_reserved_gib": 0.0,
+           "graph_pools_allocated_gib": 0.0, "graph_pools": 0}
+    pools = set()
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", 0) != (dev.index or 0):
+            continue
+        pid = tuple(seg.get("segment_pool_id", (0, 0)))
+        kind = "default" if pid == (0, 0) else "graph_pools"
+        if kind == "graph_pools":
+            pools.add(pid)
+        out[f"{kind}_reserved_gib"] += seg["total_size"] / gib
+        out[f"{kind}_allocated_gib"] += seg["allocated_size"] / gib
+    out["graph_pools"] = len(pools)
+    out["default_held_free_gib"] = out["default_reserved_gib"] - out["default_allocated_gib"]
+    return out
+
+
 def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane: bool) -> dict:
     """What the engine's audio streamer keeps on the GPU for ``streams`` stream slots after its
     warm-up (every CUDA graph captured), on a copy of the codec as ``shoal serve`` places it
@@ -323,6 +345,7 @@ def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane
     # the decode path's resident memory: everything the codec holds on the GPU but the
     # encoder's weights (reserved, so graph pools and the allocator's slack count)
     out["decode_resident_gib"] = out["reserved_total_gib"] - enc_b / gib
+    out.update(pool_breakdown(dev))
     del st, codec
     sync(dev)
     torch.cuda.empty_cache()

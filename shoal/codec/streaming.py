@@ -461,6 +461,25 @@ def group_positions_default() -> int | None:
     return n or None
 
 
+def pack_conv_weights(codec: Codec) -> int:
+    """Build the Triton convs' packed weights now, on the current stream, ahead of any
+    activation: packed lazily inside the first (warm-up) call, each one lands between that
+    call's activations and keeps their segments reserved after they are freed. Returns the
+    bytes packed."""
+    n = 0
+    for m in codec.decoder.modules():
+        packed = getattr(m, "packed_weight", None)
+        if packed is None or not getattr(m, "triton_conv", False):
+            continue
+        if getattr(m, "stride", 1) != 1 and not getattr(m, "as_gemm", False):
+            continue  # strided plain convs do not run as the Triton kernel
+        if getattr(m, "groups", 1) != 1:
+            continue
+        w = packed()
+        n += w.numel() * w.element_size()
+    return n
+
+
 def window_state_default() -> str:
     """What a serving stream carries of the codec transformer's window,
     ``SHOAL_CODEC_WINDOW_STATE``: ``kv`` (default; keys and values, 4.0 MiB per stream for the
@@ -483,6 +502,7 @@ def configure_serving_layout(codec: Codec) -> str:
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())
+        pack_conv_weights(codec)
         return "triton"
     if os.environ.get("SHOAL_CODEC_CHANNELS_LAST"):
         cl = os.environ["SHOAL_CODEC_CHANNELS_LAST"] not in ("0", "")
