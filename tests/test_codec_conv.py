@@ -133,8 +133,15 @@ def _row_groups_case() -> dict:
     grouped, st_grouped = run(1)
     state_diff = max((st_whole.tensors[k].float() - st_grouped.tensors[k].float()).abs().max().item()
                      for k in st_whole.tensors)
+    codec.configure_serving(group_head_blocks=0)  # the first block in the groups too
+    grouped0, st_grouped0 = run(1)
+    codec.configure_serving(group_head_blocks=1)
+    state_diff0 = max((st_whole.tensors[k].float() - st_grouped0.tensors[k].float()).abs().max().item()
+                      / max(1.0, st_whole.tensors[k].float().abs().max().item()) for k in st_whole.tensors)
     return {"checks": {"grouped_vs_whole": ((grouped - whole).abs().max().item(), 1e-6),
-                       "state_diff": (state_diff, 1e-6)},
+                       "state_diff": (state_diff, 1e-6),
+                       "grouped_all_blocks_vs_whole": ((grouped0 - whole).abs().max().item(), 1e-6),
+                       "state_diff_all_blocks_rel": (state_diff0, 1e-6)},
             "flags": {"split": bool(calls) and all(len(c) == 2 for c in calls),
                       "used_kernel": _kernel_used(codec)}}
 

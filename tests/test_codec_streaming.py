@@ -134,11 +134,13 @@ def test_batched_same_schedule_different_codes(codec, dec):
     assert err(out, ref) <= TOL
 
 
-@pytest.mark.parametrize("group_positions", [1, 4, 9, 10 ** 6])
-def test_row_groups_equal_one_group(group_positions):
-    """The decoder's high-rate blocks run over row groups (a bounded activation peak): every
-    stream's audio and carried state equal the one-group decode's, for ragged groups too."""
+@pytest.mark.parametrize("group_positions,head_blocks", [(1, 1), (4, 1), (9, 1), (10 ** 6, 1), (4, 0), (9, 0)])
+def test_row_groups_equal_one_group(group_positions, head_blocks):
+    """The decoder's high-rate blocks (or, with no head blocks, all of them) run over row
+    groups (a bounded activation peak): every stream's audio and carried state equal the
+    one-group decode's, for ragged groups too."""
     c = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    c.configure_serving(group_head_blocks=head_blocks)
     codes = random_codes(13, seed=11, batch=5)
 
     def run(gp):
@@ -153,10 +155,13 @@ def test_row_groups_equal_one_group(group_positions):
     expected = 1 if group_positions >= 5 * 12 else -(-5 // max(1, group_positions // 12))
     assert len(c.decoder.row_groups(5, 12)) == expected
     assert err(grouped, whole) <= 1e-6
-    for k in st_whole.tensors:
-        assert err(st_grouped.tensors[k].float(), st_whole.tensors[k].float()) <= 1e-6, k
+    for k in st_whole.tensors:  # fp32 CPU convs over fewer rows may block their sums apart
+        ref = st_whole.tensors[k].float()
+        assert err(st_grouped.tensors[k].float(), ref) <= 1e-6 * max(1.0, float(ref.abs().max())), k
     with pytest.raises(ValueError, match="group_positions"):
         c.configure_serving(group_positions=0)
+    with pytest.raises(ValueError, match="group_head_blocks"):
+        c.configure_serving(group_head_blocks=-1)
 
 
 def test_row_groups_split_rows():

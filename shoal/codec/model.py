@@ -97,6 +97,9 @@ class Decoder(StreamingModule):
         # frames) at a time, so a call's activation peak -- and the memory a CUDA graph of it
         # keeps -- is that of an N-position call, whatever the batch. None: one group.
         self.group_positions: int | None = None
+        # how many decoder blocks run over the whole call before the row groups start
+        # (configure_serving(group_head_blocks=N)); 0: every block runs in the groups
+        self.group_head_blocks = 1
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if self.fused:
@@ -161,7 +164,7 @@ class Decoder(StreamingModule):
         if x.shape[1] > 1:
             x = x.transpose(1, 2).contiguous().transpose(1, 2)
         blocks = list(m[1:-3])
-        split = min(1, len(blocks))
+        split = min(self.group_head_blocks, len(blocks))
 
         def head(x, state):
             h = m[0](x, state)
@@ -239,7 +242,7 @@ class Decoder(StreamingModule):
         if self.channels_last and x.shape[1] > 1:
             x = x.transpose(1, 2).contiguous().transpose(1, 2)
         blocks = list(m[1:-3])
-        split = min(1, len(blocks))
+        split = min(self.group_head_blocks, len(blocks))
 
         def head(x, state):
             # pending: branch output still to be added to the residual stream h
@@ -534,7 +537,7 @@ class Codec(nn.Module):
     def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
                           triton_conv: bool | None = None, snake_epilogue: bool | str | None = None,
                           group_positions: int | None | bool = False,
-                          window_state: str | None = None) -> "Codec":
+                          window_state: str | None = None, group_head_blocks: int | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -550,11 +553,17 @@ class Codec(nn.Module):
         Snakes stay separate kernels. ``group_positions``: the decoder's blocks after the first
         run over groups of streams of at most this many input positions (streams x 4 x frames;
         ``None``: no groups; left unchanged when not given): the same numbers, a bounded
-        activation peak (see ``Decoder.row_groups``). ``window_state``: what a stream carries
+        activation peak (see ``Decoder.row_groups``); ``group_head_blocks``: how many decoder
+        blocks run over the whole call before the groups start (1 until set; 0 groups every
+        block, which bounds the first block's activations too). ``window_state``: what a stream carries
         of the codec transformer's attention window (``WindowLimitedTransformer``): ``"kv"``
         its keys and values, ``"hidden"`` each layer's normed inputs (half the bytes; keys and
         values recomputed per call); set it before any stream state is made.
         """
+        if group_head_blocks is not None:
+            if int(group_head_blocks) < 0:
+                raise ValueError(f"group_head_blocks must be >= 0, got {group_head_blocks!r}")
+            self.decoder.group_head_blocks = int(group_head_blocks)
         if window_state is not None:
             from .layers import WindowLimitedTransformer
 

@@ -461,6 +461,19 @@ def group_positions_default() -> int | None:
     return n or None
 
 
+def _env_int(name: str, default: int) -> int:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
+
+
 def pack_conv_weights(codec: Codec) -> int:
     """Build the Triton convs' packed weights now, on the current stream, ahead of any
     activation: packed lazily inside the first (warm-up) call, each one lands between that
@@ -497,7 +510,8 @@ def configure_serving_layout(codec: Codec) -> str:
     from ..kernels.codec_conv import codec_conv_enabled
 
     if codec.device.type == "cuda":
-        codec.configure_serving(group_positions=group_positions_default())
+        codec.configure_serving(group_positions=group_positions_default(),
+                                group_head_blocks=_env_int("SHOAL_CODEC_GROUP_HEAD_BLOCKS", 1))
     codec.configure_serving(window_state=window_state_default())
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
