@@ -191,22 +191,29 @@ class Decoder(StreamingModule):
         for bi in range(start, stop):
             blk = blocks[bi]
             ct, units = blk.block[1], [u.block for u in list(blk.block)[2:]]
+            # each activation is dropped right after its last use (``del``): the live set, and
+            # so the CUDA-graph pool that records it, is what the next kernel needs, not every
+            # tensor a local name still holds
             ct.save_context(buf, state)
             y = ct.gemm_forward(buf)
+            del buf
             c7 = units[0][1]
             cbuf = c7._buffer(y, c7.padding + y.shape[-1])
             c7._with_context(cbuf, state)
             h = self._act(y)
             snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
+            del y
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
                 s2 = self._act(h)
                 if self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
                     a = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
                     snake_op(a, snake2.alpha, out=s2)
+                    del a
                 else:
                     conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
                                      snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
+                del cbuf  # the k7 conv's input: read, and its context saved
                 if j + 1 < len(units):
                     nxt, alpha = units[j + 1][1], units[j + 1][0].alpha
                     nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
@@ -225,8 +232,11 @@ class Decoder(StreamingModule):
                     body, h_new = nbuf[..., nxt.padding:], None
                 conv1d_cl_triton(s2, conv1.packed_weight(), conv1.conv.bias, 1, residual=h, out=h_new,
                                  snake_alpha=alpha, snake_out=body, write_out=h_new is not None)
+                del s2, body
                 h, cbuf = h_new, nbuf
+                del h_new, nbuf
             buf = cbuf
+            del cbuf, h
         return buf
 
     def _forward_fused(self, x: Tensor, state: StreamState | None) -> Tensor:
