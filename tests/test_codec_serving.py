@@ -534,13 +534,20 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
     from shoal.kernels.codec_conv import pack_conv_weight
 
     c = copy.deepcopy(codec).configure_serving(channels_last=True, triton_conv=True)
+    codec_params = {id(m): m.conv.weight.detach().clone() for m in c.decoder.modules() if isinstance(m, CausalConv1d)}
     n = pack_conv_weights(c)
     convs = [m for m in c.decoder.modules() if getattr(m, "_packed", None) is not None]
     assert convs and n == sum(m._packed[1].numel() * m._packed[1].element_size() for m in convs)
     for m in convs:
         before = m._packed[1]
         assert m.packed_weight() is before  # not packed again
-        if isinstance(m, CausalConv1d):
+        if isinstance(m, CausalConv1d):  # one copy: the weight is a view of its packed form
+            assert m.conv.weight.data_ptr() == before.data_ptr()
+            assert torch.equal(m.conv.weight, codec_params[id(m)])
             assert torch.equal(before, pack_conv_weight(m.conv.weight.detach()))
     # the transposed convs that run as 2-tap GEMMs are packed too
     assert any(getattr(m, "as_gemm", False) for m in convs)
+    # configure_serving(channels_last=...) later re-lays the weight out: a copy again, same values
+    m = next(m for m in convs if isinstance(m, CausalConv1d))
+    c.configure_serving(channels_last=False, triton_conv=False)
+    assert torch.equal(m.conv.weight, codec_params[id(m)])

@@ -344,6 +344,17 @@ class CausalConv1d(StreamingModule):
             self._packed = (key, pack_conv_weight(w.detach()))
         return self._packed[1]
 
+    def share_packed_weight(self) -> Tensor:
+        """Pack the weight and make ``conv.weight`` a view of the packed tensor (its permutation
+        back to [C_out, C_in, K]): one copy of the weight in memory instead of two. The values
+        are unchanged; other readers of ``conv.weight`` see a non-contiguous tensor."""
+        packed = self.packed_weight()
+        w = self.conv.weight
+        if w.data_ptr() != packed.data_ptr():
+            w.data = packed.permute(2, 1, 0)
+            self._packed = ((w.data_ptr(), w.dtype, w.device, w._version), packed)
+        return packed
+
     def _conv(self, x: Tensor) -> Tensor:
         if self.triton_conv and self.stride == 1 and self.groups == 1 and use_triton(x):
             return conv1d_cl_triton(x, self.packed_weight(), self.conv.bias, self.dilation)

@@ -477,8 +477,9 @@ def _env_int(name: str, default: int) -> int:
 def pack_conv_weights(codec: Codec) -> int:
     """Build the Triton convs' packed weights now, on the current stream, ahead of any
     activation: packed lazily inside the first (warm-up) call, each one lands between that
-    call's activations and keeps their segments reserved after they are freed. Returns the
-    bytes packed."""
+    call's activations and keeps their segments reserved after they are freed. A stride-1
+    conv's ``conv.weight`` becomes a view of its packed weight (``share_packed_weight``), so
+    the decoder holds each such weight once. Returns the bytes packed."""
     n = 0
     for m in codec.decoder.modules():
         packed = getattr(m, "packed_weight", None)
@@ -488,7 +489,8 @@ def pack_conv_weights(codec: Codec) -> int:
             continue  # strided plain convs do not run as the Triton kernel
         if getattr(m, "groups", 1) != 1:
             continue
-        w = packed()
+        # a stride-1 conv's weight becomes a view of its packed form (one copy, not two)
+        w = m.share_packed_weight() if hasattr(m, "share_packed_weight") else packed()
         n += w.numel() * w.element_size()
     return n
 
