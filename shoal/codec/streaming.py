@@ -169,9 +169,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
     copied into static buffers (one static state of ``max(batch_buckets)`` rows shared by all
     graphs), the graph is replayed, the rows are copied back and the output is returned (a
     copy). Padding rows decode zero codes at position 0 and are ignored. Anything else -- CPU,
-    other chunk sizes, bigger batches, positions beyond ``max_frames`` (the preallocated RoPE
-    table) -- runs the eager path, which computes exactly the same function (the graph is a
-    recording of it; :meth:`run_static` is the uncaptured code path, testable on CPU).
+    other chunk sizes, bigger batches -- runs the eager path, which computes exactly the same
+    function (the graph is a recording of it; :meth:`run_static` is the uncaptured code path,
+    testable on CPU). The graphs read RoPE from a table preallocated for ``max_frames``
+    positions (2^16 by default: 51 min of audio, more than the 32,768-token context of any
+    released model can generate); a stream's positions past it would be clamped.
 
     Not thread-safe across concurrent callers (static buffers); captures use
     ``capture_error_mode="thread_local"`` so another thread may keep using CUDA meanwhile.
