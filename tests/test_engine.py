@@ -827,3 +827,24 @@ def test_fused_sampling_only_for_s2_in_bf16_or_fp32():
     assert _fused_sampling(want, random_dualar(tiny_config(256), "cpu", torch.float32))
     assert not _fused_sampling(want, random_dualar(tiny_config(256), "cpu", torch.float16))
     assert not _fused_sampling(EngineConfig(), random_dualar(tiny_config(256), "cpu", torch.float32))  # CPU default
+
+
+def test_memory_bytes_by_part(s2):
+    """The engine's memory account: the DualAR's weights, the KV pool as allocated (and the
+    codec's weights when it serves audio); exposed at /metrics as shoal_memory_bytes."""
+    from shoal.engine.attention import PagedKVCache
+
+    model, tok, _ = s2
+    eng = Engine(model, tok.im_end_id, config=EngineConfig(max_running=2, num_blocks=48))
+    mem = eng.memory_bytes
+    tensors = list(model.parameters()) + list(model.buffers())
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    # every storage once (views such as shared tables are not counted twice)
+    assert sum(params.values()) <= mem["model_weights"] <= sum(t.numel() * t.element_size() for t in tensors)
+    s = model.config.slow
+    per_block = PagedKVCache.bytes_per_block(s.n_layer, eng.config.block_size, s.n_local_heads, s.head_dim,
+                                             model.dtype, eng.kv_cache_dtype)
+    assert mem["kv_cache"] == 48 * per_block > 0
+    assert "codec_weights" not in mem and "codec_streamer" not in mem  # no codec, no audio
+    mem["kv_cache"] = 0
+    assert eng.memory_bytes["kv_cache"] > 0  # a copy

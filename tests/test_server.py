@@ -397,6 +397,8 @@ def test_metrics_exposed(main):
                  "shoal_codec_calls_total", "shoal_codec_frames_total",
                  'shoal_codec_first_chunk_queue_seconds{quantile="0.5"}', 'shoal_codec_call_seconds{quantile="0.99"}'):
         assert name in text, name
+    mem = {ln.split('"')[1]: float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("shoal_memory_bytes{")}
+    assert set(mem) >= {"model_weights", "codec_weights", "kv_cache"} and all(v > 0 for v in mem.values()), mem
     calls = [ln for ln in text.splitlines() if ln.startswith("shoal_codec_calls_total")]
     assert calls and float(calls[0].split()[-1]) >= 1  # the request's audio went through the codec
     assert 'route="/v1/tts"' in text and 'status="200"' in text

@@ -97,6 +97,21 @@ class EngineConfig:
     kv_cache_dtype: str | None = None
 
 
+def _tensor_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers (each storage counted once)."""
+    seen: set[tuple[int, int]] = set()
+    n = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key in seen:
+            continue
+        seen.add(key)
+        n += t.untyped_storage().nbytes()
+    return n
+
+
 def _env_flag(name: str, default: bool) -> bool:
     """An on/off environment switch: unset or empty gives ``default``; 0/false/no/off are off."""
     value = os.environ.get(name, "").strip().lower()
@@ -138,7 +153,11 @@ class Engine:
             else os.environ.get("SHOAL_PREFILL_GRAPHS", "1") != "0"))
         self.prefill_buckets = default_prefill_buckets(cfg.prefill_chunk)
         self.audio: AudioWorker | None = None
+        # GPU memory by part, bytes (Engine.memory_bytes; /metrics shoal_memory_bytes{part})
+        self.memory: dict[str, int] = {"model_weights": _tensor_bytes(model)}
         if codec is not None:
+            self.memory["codec_weights"] = _tensor_bytes(codec)
+            r0 = torch.cuda.memory_reserved(dev) if on_cuda else 0
             threaded = (cfg.audio_thread if cfg.audio_thread is not None
                         else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
             fill = cfg.audio_fill_calls
@@ -165,8 +184,14 @@ class Engine:
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
                 streamer.warmup()
                 torch.cuda.empty_cache()  # the eager warm-up calls' blocks go back before sizing
+                # what serving audio holds beyond the codec's weights: stream slots, packed
+                # conv weights, graph pools, workspaces (every graph is captured by now)
+                self.memory["codec_streamer"] = max(0, torch.cuda.memory_reserved(dev) - r0)
         self.kv_cache_dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
+        s_cfg = self.model.config.slow
+        self.memory["kv_cache"] = num_blocks * PagedKVCache.bytes_per_block(
+            s_cfg.n_layer, cfg.block_size, s_cfg.n_local_heads, s_cfg.head_dim, self.model.dtype, self.kv_cache_dtype)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache,
                               copy_partial=cfg.prefix_copy_partial)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
@@ -187,6 +212,14 @@ class Engine:
         self._inflight: tuple[list[EngineRequest], list[int], object] | None = None
         self.overlap_decode = (cfg.overlap_decode if cfg.overlap_decode is not None
                                else os.environ.get("SHOAL_DECODE_OVERLAP", "1") != "0")
+
+    @property
+    def memory_bytes(self) -> dict[str, int]:
+        """GPU (or, on CPU, host) memory by part: ``model_weights`` (the DualAR's parameters
+        and buffers), ``codec_weights`` (both codec sides), ``codec_streamer`` (CUDA, when the
+        codec warmed up at start: stream slots, packed conv weights, CUDA-graph pools and
+        workspaces, measured as reserved memory) and ``kv_cache`` (the paged pool)."""
+        return dict(self.memory)
 
     def _auto_blocks(self, max_running: int, max_blocks_per_seq: int) -> int:
         cfg = self.config

@@ -9,7 +9,9 @@ Engine side (read from the engine when scraped):
   shoal_frames_total (rate() = frames/s), shoal_kv_cache_usage_ratio,
   shoal_prefix_cache_hit_tokens_total, shoal_prefix_cache_queried_tokens_total,
   shoal_prefix_cache_copied_tokens_total,
-  shoal_prefix_cache_hit_rate, shoal_ready.
+  shoal_prefix_cache_hit_rate, shoal_ready,
+  shoal_memory_bytes{part} (model_weights, codec_weights, kv_cache; codec_streamer on CUDA:
+  stream slots, graph pools and workspaces of the codec, reserved memory after its warm-up).
 Codec (streaming audio; from the audio worker's counters, percentiles over its recent calls):
   shoal_codec_calls_total, shoal_codec_frames_total (stream-frames decoded),
   shoal_codec_first_chunk_queue_seconds{quantile} (a complete first chunk's wait for its call),
@@ -58,6 +60,13 @@ class _EngineCollector:
         yield GaugeMetricFamily("shoal_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens",
                                 value=s["prefix_hit_rate"])
         yield GaugeMetricFamily("shoal_ready", "1 once warm-up is done", value=s["ready"])
+        parts = sorted(k for k in s if k.startswith("memory_bytes."))
+        if parts:
+            g = GaugeMetricFamily("shoal_memory_bytes", "Device memory by part, measured at start "
+                                  "(model_weights, codec_weights, codec_streamer, kv_cache)", labels=["part"])
+            for k in parts:
+                g.add_metric([k.split(".", 1)[1]], s[k])
+            yield g
         if "codec_calls_total" in s:
             yield CounterMetricFamily("shoal_codec_calls", "Streaming codec calls", value=s["codec_calls_total"])
             yield CounterMetricFamily("shoal_codec_frames", "Stream-frames decoded by the streaming codec",

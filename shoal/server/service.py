@@ -413,6 +413,7 @@ class TTSService:
             "prefix_copied_tokens": float(pool.copied_tokens),
             "max_running": float(eng.max_running),
             "ready": 1.0 if self.ready else 0.0,
+            **{f"memory_bytes.{k}": float(v) for k, v in getattr(eng, "memory", {}).items()},
             **self._codec_snapshot(eng),
         }
 
