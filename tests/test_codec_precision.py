@@ -80,17 +80,35 @@ def test_mixed_codec_dtypes(codecs):
 
 
 @golden
-def test_place_on_another_device_casts_first():
+def test_place_on_another_device_casts_first(monkeypatch):
     """Placing on another device casts each side where its weights are, then moves it (no
-    staging copies in the source dtype on the target); the dtypes and values are those of
-    the same-device cast."""
-    ref = _load(decode_dtype=B16)
+    staging copies in the source dtype on the target): every module's first ``to`` is a
+    dtype-only cast on the source device, then a move; the result's dtypes are the requested."""
+    import torch.nn as nn
+
+    calls = []
+    real_to = nn.Module.to
+
+    def spy(self, *args, **kwargs):
+        calls.append((self, kwargs.get("device"), kwargs.get("dtype")))
+        return real_to(self, *args, **kwargs)
+
     for dec in (B16, None):
-        moved = _load().place("meta", F32, dec)
+        codec = _load()
+        calls.clear()
+        monkeypatch.setattr(nn.Module, "to", spy)
+        moved = codec.place("meta", F32, dec)
+        monkeypatch.setattr(nn.Module, "to", real_to)
         assert {p.device.type for p in moved.parameters()} == {"meta"}
         assert _param_dtypes(moved.decode_modules()) == {dec or F32}
         assert _param_dtypes(moved.encode_modules()) == {F32}
-    # the cast itself is the one place() does on the same device
+        sides = [(m, dec or F32) for m in codec.decode_modules()] if dec else [(codec, F32)]
+        for m, dt in sides:
+            mine = [(d, t) for mod, d, t in calls if mod is m]
+            assert mine[:2] == [(None, dt), (torch.device("meta"), dt)], mine
+    # on the same device place() is one cast per side: the mixed codec's decode weights are
+    # the fp32 weights cast once
+    ref = _load(decode_dtype=B16)
     host = _load()
     for m in host.decode_modules():
         m.to(dtype=B16)

@@ -504,6 +504,18 @@ def test_warmup_order_captures_the_largest_call_first():
 
 
 @golden
+def test_warmup_captures_in_warmup_order(codec):
+    from shoal.codec import GraphedStreamingDecoder
+    from shoal.codec.streaming import warmup_order
+
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 2, 4), chunk_frames=(4, 8), enabled=True)
+    calls = []
+    gd.capture = lambda b, t: calls.append((b, t))  # the order, not the capture (CPU)
+    gd.warmup()
+    assert calls == warmup_order((1, 2, 4), (4, 8)) and calls[0] == (4, 8)
+
+
+@golden
 def test_new_state_is_the_packed_fresh_state(codec):
     """new_state allocates its packed buffers once, zeroed, from the modules' state shapes;
     that is the state the modules' own fresh tensors packed together would give."""
@@ -547,7 +559,17 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
             assert torch.equal(before, pack_conv_weight(m.conv.weight.detach()))
     # the transposed convs that run as 2-tap GEMMs are packed too
     assert any(getattr(m, "as_gemm", False) for m in convs)
-    # configure_serving(channels_last=...) later re-lays the weight out: a copy again, same values
-    m = next(m for m in convs if isinstance(m, CausalConv1d))
-    c.configure_serving(channels_last=False, triton_conv=False)
-    assert torch.equal(m.conv.weight, codec_params[id(m)])
+    # setting the serving layout again (every serving_decoder() does) moves no packed weight:
+    # graphs captured before read those pointers
+    ptrs = {id(m): m._packed[1].data_ptr() for m in convs}
+    c.configure_serving(channels_last=True, triton_conv=True)
+    pack_conv_weights(c)
+    assert {id(m): m._packed[1].data_ptr() for m in convs} == ptrs
+    # the Triton conv off: each weight in its own storage again (cuDNN's layout), same values
+    c.configure_serving(triton_conv=False)
+    for m in convs:
+        assert m._packed is None
+        if isinstance(m, CausalConv1d):
+            assert not m.shares_packed_weight
+            assert m.conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(m.conv.weight, codec_params[id(m)])

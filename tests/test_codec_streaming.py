@@ -272,3 +272,24 @@ def test_window_states_give_the_same_audio():
     assert 2 * window_bytes(db) == window_bytes(da)
     with pytest.raises(ValueError, match="window_state"):
         a.configure_serving(window_state="fp8")
+
+
+def test_window_states_agree_on_a_clamped_fixed_rope_table():
+    """With a fixed RoPE table (what CUDA graphs read) shorter than the stream, positions past
+    it are clamped; the hidden window's recomputed keys are clamped the same way as the kv
+    window's stored ones, so both states still decode the same audio."""
+    from shoal.codec.layers import rope_table
+
+    a = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
+    b = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json")).configure_serving(
+        window_state="hidden")
+    pm = a.quantizer.post_module.cfg
+    table = rope_table(64, pm.head_dim, pm.rope_base)[:24]  # frames 24.. are clamped to 23
+    codes = random_codes(40, seed=21, batch=2)
+    outs = []
+    for c in (a, b):
+        d = StreamingDecoder(c)
+        st = d.new_state(2)
+        with torch.no_grad():
+            outs.append(torch.cat([d._decode(codes[:, :, i:i + 4], st, table) for i in range(0, 40, 4)], -1))
+    assert err(outs[0], outs[1]) <= 1e-5

@@ -273,8 +273,9 @@ def pool_breakdown(dev) -> dict:
     out = {"default_reserved_gib": 0.0, "default_allocated_gib": 0.0, "graph_pools_reserved_gib": 0.0,
            "graph_pools_allocated_gib": 0.0, "graph_pools": 0}
     pools = set()
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
     for seg in torch.cuda.memory_snapshot():
-        if seg.get("device", 0) != (dev.index or 0):
+        if seg.get("device", 0) != index:
             continue
         pid = tuple(seg.get("segment_pool_id", (0, 0)))
         kind = "default" if pid == (0, 0) else "graph_pools"

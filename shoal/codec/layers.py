@@ -347,13 +347,30 @@ class CausalConv1d(StreamingModule):
     def share_packed_weight(self) -> Tensor:
         """Pack the weight and make ``conv.weight`` a view of the packed tensor (its permutation
         back to [C_out, C_in, K]): one copy of the weight in memory instead of two. The values
-        are unchanged; other readers of ``conv.weight`` see a non-contiguous tensor."""
+        are unchanged; other readers of ``conv.weight`` see a non-contiguous tensor (so does
+        ``state_dict()``: make it contiguous before saving it with safetensors).
+        ``Codec.configure_serving(channels_last=...)`` leaves a shared weight where it is while
+        the Triton conv is on; ``triton_conv=False`` undoes the sharing."""
         packed = self.packed_weight()
         w = self.conv.weight
         if w.data_ptr() != packed.data_ptr():
             w.data = packed.permute(2, 1, 0)
             self._packed = ((w.data_ptr(), w.dtype, w.device, w._version), packed)
         return packed
+
+    @property
+    def shares_packed_weight(self) -> bool:
+        return self._packed is not None and self.conv.weight.data_ptr() == self._packed[1].data_ptr()
+
+    def unshare_packed_weight(self) -> None:
+        """``conv.weight`` in its own storage again (contiguous, or channels-last when the
+        conv runs channels-last), the packed copy dropped."""
+        if not self.shares_packed_weight:
+            return
+        w = self.conv.weight
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
+        self._packed = None
 
     def _conv(self, x: Tensor) -> Tensor:
         if self.triton_conv and self.stride == 1 and self.groups == 1 and use_triton(x):

@@ -405,6 +405,14 @@ class DownsampleRVQ(nn.Module):
         return self.upsample(z, state)
 
 
+def _normal_device(device: str | torch.device) -> torch.device:
+    """``device`` with a CUDA index filled in (``cuda`` -> ``cuda:<current>``), for comparing."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 class Codec(nn.Module):
     """The modded-DAC codec (44.1 kHz mono, hop 2048, 10 codebooks).
 
@@ -455,7 +463,7 @@ class Codec(nn.Module):
               decode_dtype: torch.dtype | None = None) -> "Codec":
         """Move to ``device`` in ``dtype``, the decode-only modules in ``decode_dtype`` when
         given (each side cast once from the current weights); returns ``self``."""
-        device, src = torch.device(device), self.device
+        device, src = _normal_device(device), _normal_device(self.device)
         if decode_dtype is None or decode_dtype == dtype:
             sides = ((self, dtype),)
         else:
@@ -602,6 +610,10 @@ class Codec(nn.Module):
             for mod in self.decoder.modules():
                 if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
                     mod.channels_last = bool(channels_last)
+                    if getattr(mod, "shares_packed_weight", False) and (triton_conv is None or triton_conv):
+                        # the weight is a view of the packed form the Triton conv reads: keep it
+                        # there (a copy would move the packed weight under captured graphs)
+                        continue
                     # weights stored channels-last once (no per-call conversion inside cuDNN)
                     w = mod.conv.weight
                     w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
@@ -609,6 +621,10 @@ class Codec(nn.Module):
             for mod in self.decoder.modules():
                 if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
                     mod.triton_conv = bool(triton_conv)
+                    if not triton_conv:
+                        if getattr(mod, "shares_packed_weight", False):
+                            mod.unshare_packed_weight()  # cuDNN reads conv.weight: its own layout again
+                        mod._packed = None  # nothing reads the packed copy any more
         if self.decoder.channels_last and not self.decoder.fused:
             raise ValueError("channels_last needs the fused decoder path")
         if any(getattr(m, "triton_conv", False) for m in self.decoder.modules()) and not self.decoder.channels_last:

@@ -497,12 +497,14 @@ def pack_conv_weights(codec: Codec) -> int:
     return n
 
 
-def window_state_default() -> str:
+def window_state_default() -> str | None:
     """What a serving stream carries of the codec transformer's window,
-    ``SHOAL_CODEC_WINDOW_STATE``: ``kv`` (default; keys and values, 4.0 MiB per stream for the
-    real codec) or ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and values
-    recomputed each call)."""
-    v = os.environ.get("SHOAL_CODEC_WINDOW_STATE", "kv").strip().lower() or "kv"
+    ``SHOAL_CODEC_WINDOW_STATE``: ``kv`` (keys and values, 4.0 MiB per stream for the real
+    codec; a codec's default) or ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and
+    values recomputed each call); None when unset (the codec's own setting stays)."""
+    v = os.environ.get("SHOAL_CODEC_WINDOW_STATE", "").strip().lower()
+    if not v:
+        return None
     if v not in ("kv", "hidden"):
         raise ValueError(f"SHOAL_CODEC_WINDOW_STATE must be 'kv' or 'hidden', got {v!r}")
     return v
@@ -516,7 +518,9 @@ def configure_serving_layout(codec: Codec) -> str:
     if codec.device.type == "cuda":
         codec.configure_serving(group_positions=group_positions_default(),
                                 group_head_blocks=_env_int("SHOAL_CODEC_GROUP_HEAD_BLOCKS", 1))
-    codec.configure_serving(window_state=window_state_default())
+    ws = window_state_default()
+    if ws is not None:  # unset: whatever the codec was configured with (kv until set)
+        codec.configure_serving(window_state=ws)
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())

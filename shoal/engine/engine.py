@@ -156,7 +156,6 @@ class Engine:
         # GPU memory by part, bytes (Engine.memory_bytes; /metrics shoal_memory_bytes{part})
         self.memory: dict[str, int] = {"model_weights": _tensor_bytes(model)}
         if codec is not None:
-            self.memory["codec_weights"] = _tensor_bytes(codec)
             r0 = torch.cuda.memory_reserved(dev) if on_cuda else 0
             threaded = (cfg.audio_thread if cfg.audio_thread is not None
                         else os.environ.get("SHOAL_AUDIO_THREAD", "1" if on_cuda else "0") != "0")
@@ -179,6 +178,9 @@ class Engine:
                 sms = int(os.environ.get("SHOAL_AUDIO_SMS", "0") or 0)
             # before the warm-up: graphs captured on a partition stream stay in the partition
             self.audio = AudioWorker(streamer, threaded, sms=sms or None)
+            # after the streamer set the serving layout (stride-1 conv weights are then views of
+            # their packed form: counted here; the transposed convs' packed copies are not)
+            self.memory["codec_weights"] = _tensor_bytes(codec)
             if on_cuda and cfg.num_blocks is None:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
