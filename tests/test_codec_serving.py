@@ -383,6 +383,8 @@ def test_bench_codec_smoke(tmp_path):
     assert res["throughput"] and all("error" not in r for r in res["throughput"])
     assert res["latency"] and res["memory"]["weights_gib"] > 0
     assert "reference" in res
+    with pytest.raises(SystemExit):  # a window state that does not exist is refused up front
+        bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--window-states", "kv,fp8"])
 
 
 def test_bench_interference_smoke(tmp_path):

@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -425,7 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serving-streams", default="64,128",
                    help="stream slots of the serving-memory section (the engine's audio streamer)")
     p.add_argument("--max-call-streams", type=int, default=32, help="streams per codec call (serving section)")
+    p.add_argument("--window-states", default="kv",
+                   help="comma list of kv,hidden: what a stream carries of the codec transformer's window "
+                        "(serving section; SHOAL_CODEC_WINDOW_STATE)")
     args = p.parse_args(argv)
+    for ws in args.window_states.split(","):
+        if ws.strip() not in ("kv", "hidden"):
+            p.error(f"--window-states: {ws!r} is not kv or hidden")
     if args.quick:
         args.batches, args.chunks = "1,8,64,128", "4,8,32"
         args.iters, args.latency_reps = 3, 10
@@ -559,15 +567,20 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- serving memory
     if "serving" not in skip and dev.type == "cuda":
         res["serving_memory"] = []
-        for n in ints(args.serving_streams):
-            for fl in (False, True):
-                r = guarded(res["serving_memory"], {}, lambda: serving_memory(codec32, dev, n, args.max_call_streams, fl))
-                if "error" not in r:
-                    log(f"serving memory, {n} streams, first lane {fl}: decode resident "
-                        f"{r['decode_resident_gib']:.3f} GiB (decode weights {r['decode_weights_gib']:.3f}, "
-                        f"state slots {r['state_slots_gib']:.3f}, streamer {r['streamer_allocated_gib']:.3f}, "
-                        f"warm-up {r['warmup_allocated_gib']:.3f} alloc / total reserved {r['reserved_total_gib']:.3f}; "
-                        f"encoder weights {r['encode_weights_gib']:.3f} apart) {json.dumps(r['lanes'])}")
+        for ws in [w.strip() for w in args.window_states.split(",") if w.strip()]:
+            for n in ints(args.serving_streams):
+                for fl in (False, True):
+                    with mock.patch.dict(os.environ, {"SHOAL_CODEC_WINDOW_STATE": ws}):
+                        r = guarded(res["serving_memory"], {"window_state": ws},
+                                    lambda: serving_memory(codec32, dev, n, args.max_call_streams, fl))
+                    if "error" not in r:
+                        r["window_state"] = ws
+                        log(f"serving memory, {n} streams, first lane {fl}, window {ws}: decode resident "
+                            f"{r['decode_resident_gib']:.3f} GiB (decode weights {r['decode_weights_gib']:.3f}, "
+                            f"state slots {r['state_slots_gib']:.3f}, streamer {r['streamer_allocated_gib']:.3f}, "
+                            f"graph pools {r['graph_pools_reserved_gib']:.3f}, held free "
+                            f"{r['default_held_free_gib']:.3f}; encoder weights {r['encode_weights_gib']:.3f} "
+                            f"apart) {json.dumps(r['lanes'])}")
 
     # ---------------------------------------------------------------- exactness
     if "exactness" not in skip:
