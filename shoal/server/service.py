@@ -272,6 +272,9 @@ class TTSService:
                 await syn.aclose()
             self.ready = True
             log.info("warm-up done in %.2f s", time.perf_counter() - t)
+            mem = getattr(self.engine.engine, "memory", {})
+            if mem:
+                log.info("memory: %s", ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in mem.items()))
 
     # ------------------------------------------------------------------ references
     def _encode_one(self, audio: bytes, where: str) -> np.ndarray:
