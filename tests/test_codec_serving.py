@@ -575,3 +575,20 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
             assert not m.shares_packed_weight
             assert m.conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
             assert torch.equal(m.conv.weight, codec_params[id(m)])
+
+
+
+@golden
+def test_graphs_hand_positions_past_their_rope_table_to_eager(codec):
+    """A graphed call whose rows may be past the graphs' fixed RoPE table (the state's bound)
+    runs eagerly instead of reading clamped positions."""
+    from shoal.codec import GraphedStreamingDecoder
+
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(2,), chunk_frames=(4,), enabled=True)
+    n = gd.rope.shape[0]
+    st = gd.new_state(2)
+    key = codec.quantizer.post_module.state_key
+    st.bounds[key] = n - 4
+    assert gd._eager_reason(2, 4, st) is None  # the last positions still in the table
+    st.bounds[key] = n - 3
+    assert gd._eager_reason(2, 4, st) == "positions past the RoPE table"

@@ -173,7 +173,8 @@ class GraphedStreamingDecoder(StreamingDecoder):
     function (the graph is a recording of it; :meth:`run_static` is the uncaptured code path,
     testable on CPU). The graphs read RoPE from a table preallocated for ``max_frames``
     positions (2^16 by default: 51 min of audio, more than the 32,768-token context of any
-    released model can generate); a stream's positions past it would be clamped.
+    released model can generate); a call whose positions may run past it (the state's bound)
+    runs eagerly.
 
     Not thread-safe across concurrent callers (static buffers); captures use
     ``capture_error_mode="thread_local"`` so another thread may keep using CUDA meanwhile.
@@ -321,6 +322,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
             return "batch"
         if (self.bucket(B), t) in self._failed:
             return "capture failed"
+        # the graphs read a fixed RoPE table; a call whose positions may run past it (the
+        # state's host-side bound: the most frames any of its rows has decoded) runs eagerly,
+        # where the shared table grows
+        if state.bounds.get(self._bound_key, 0) + t > self.rope.shape[0]:
+            return "positions past the RoPE table"
         return None
 
     def capture(self, batch: int, t: int) -> _Graph:
