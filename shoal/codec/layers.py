@@ -73,16 +73,8 @@ class StreamState:
     def packed(tensors: dict[str, Tensor], bounds: dict[str, int] | None = None) -> "StreamState":
         """A state with the values of ``tensors`` whose tensors are views into one contiguous
         ``[B, n]`` buffer per dtype (row r of every tensor lies in row r of its buffer)."""
-        B = next(iter(tensors.values())).shape[0] if tensors else 0
-        sizes: dict[torch.dtype, int] = {}
-        layout = []
-        for k, v in tensors.items():
-            n = v[0].numel() if B else int(torch.Size(v.shape[1:]).numel())
-            layout.append((k, v.dtype, tuple(v.shape[1:]), sizes.get(v.dtype, 0)))
-            sizes[v.dtype] = sizes.get(v.dtype, 0) + n
         dev = next(iter(tensors.values())).device if tensors else None
-        out = StreamState._over(tuple(layout), {dt: torch.empty(B, n, dtype=dt, device=dev)
-                                                for dt, n in sizes.items()}, bounds)
+        out = StreamState.packed_zeros(tensors, bounds, dev)
         for k, v in tensors.items():
             out.tensors[k].copy_(v)
         return out

@@ -459,14 +459,7 @@ def group_positions_default() -> int | None:
     -- and the CUDA-graph pool that records it -- keeps of activations; ``0`` turns it off.
     512 against 1,024: a graph pool of 0.29 GiB against 0.98 for 24 graphs of up to 32 x 32
     frames, for calls ~2-3% slower (H200, docs/benchmarks.md 2026-12-04)."""
-    v = os.environ.get("SHOAL_CODEC_GROUP_POSITIONS", "512").strip()
-    try:
-        n = int(v or 0)
-    except ValueError:
-        raise ValueError(f"SHOAL_CODEC_GROUP_POSITIONS must be an integer, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"SHOAL_CODEC_GROUP_POSITIONS must be >= 0, got {n}")
-    return n or None
+    return _env_int("SHOAL_CODEC_GROUP_POSITIONS", 512) or None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -488,17 +481,18 @@ def pack_conv_weights(codec: Codec) -> int:
     call's activations and keeps their segments reserved after they are freed. A stride-1
     conv's ``conv.weight`` becomes a view of its packed weight (``share_packed_weight``), so
     the decoder holds each such weight once. Returns the bytes packed."""
+    from .layers import CausalConv1d, CausalConvTranspose1d
+
     n = 0
     for m in codec.decoder.modules():
-        packed = getattr(m, "packed_weight", None)
-        if packed is None or not getattr(m, "triton_conv", False):
+        if not getattr(m, "triton_conv", False):
             continue
-        if getattr(m, "stride", 1) != 1 and not getattr(m, "as_gemm", False):
-            continue  # strided plain convs do not run as the Triton kernel
-        if getattr(m, "groups", 1) != 1:
-            continue
-        # a stride-1 conv's weight becomes a view of its packed form (one copy, not two)
-        w = m.share_packed_weight() if hasattr(m, "share_packed_weight") else packed()
+        if isinstance(m, CausalConv1d) and m.stride == 1 and m.groups == 1:
+            w = m.share_packed_weight()  # the weight becomes a view of its packed form
+        elif isinstance(m, CausalConvTranspose1d) and m.as_gemm:
+            w = m.packed_weight()  # the 2-tap packing reorders taps: a copy, not a view
+        else:
+            continue  # not run as the Triton kernel
         n += w.numel() * w.element_size()
     return n
 

@@ -154,7 +154,7 @@ class Engine:
         self.prefill_buckets = default_prefill_buckets(cfg.prefill_chunk)
         self.audio: AudioWorker | None = None
         # GPU memory by part, bytes (Engine.memory_bytes; /metrics shoal_memory_bytes{part})
-        self.memory: dict[str, int] = {"model_weights": _tensor_bytes(model)}
+        self._memory: dict[str, int] = {"model_weights": _tensor_bytes(model)}
         if codec is not None:
             r0 = torch.cuda.memory_reserved(dev) if on_cuda else 0
             threaded = (cfg.audio_thread if cfg.audio_thread is not None
@@ -180,7 +180,7 @@ class Engine:
             self.audio = AudioWorker(streamer, threaded, sms=sms or None)
             # after the streamer set the serving layout (stride-1 conv weights are then views of
             # their packed form: counted here; the transposed convs' packed copies are not)
-            self.memory["codec_weights"] = _tensor_bytes(codec)
+            self._memory["codec_weights"] = _tensor_bytes(codec)
             if on_cuda and cfg.num_blocks is None:
                 # the codec's graphs and workspaces are allocated before the KV pool takes its
                 # share of the free memory (lazily captured graphs ran the GPU out of memory)
@@ -188,12 +188,10 @@ class Engine:
                 torch.cuda.empty_cache()  # the eager warm-up calls' blocks go back before sizing
                 # what serving audio holds beyond the codec's weights: stream slots, packed
                 # conv weights, graph pools, workspaces (every graph is captured by now)
-                self.memory["codec_streamer"] = max(0, torch.cuda.memory_reserved(dev) - r0)
+                self._memory["codec_streamer"] = max(0, torch.cuda.memory_reserved(dev) - r0)
         self.kv_cache_dtype = parse_kv_cache_dtype(cfg.kv_cache_dtype)
         num_blocks = cfg.num_blocks or self._auto_blocks(max_running, max_blocks_per_seq)
-        s_cfg = self.model.config.slow
-        self.memory["kv_cache"] = num_blocks * PagedKVCache.bytes_per_block(
-            s_cfg.n_layer, cfg.block_size, s_cfg.n_local_heads, s_cfg.head_dim, self.model.dtype, self.kv_cache_dtype)
+        self._memory["kv_cache"] = num_blocks * self._kv_block_bytes()
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_cache=cfg.enable_prefix_cache,
                               copy_partial=cfg.prefix_copy_partial)
         self.runner = ModelRunner(model, im_end_id, RunnerConfig(
@@ -221,13 +219,16 @@ class Engine:
         and buffers), ``codec_weights`` (both codec sides), ``codec_streamer`` (CUDA, when the
         codec warmed up at start: stream slots, packed conv weights, CUDA-graph pools and
         workspaces, measured as reserved memory) and ``kv_cache`` (the paged pool)."""
-        return dict(self.memory)
+        return dict(self._memory)
+
+    def _kv_block_bytes(self) -> int:
+        s = self.model.config.slow
+        return PagedKVCache.bytes_per_block(s.n_layer, self.config.block_size, s.n_local_heads, s.head_dim,
+                                            self.model.dtype, self.kv_cache_dtype)
 
     def _auto_blocks(self, max_running: int, max_blocks_per_seq: int) -> int:
         cfg = self.config
-        s = self.model.config.slow
-        per_block = PagedKVCache.bytes_per_block(s.n_layer, cfg.block_size, s.n_local_heads, s.head_dim,
-                                                 self.model.dtype, self.kv_cache_dtype)
+        per_block = self._kv_block_bytes()
         if self.model.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.model.device)
             reserve = 6 << 30  # activations, LLM graphs, codec eager fallbacks

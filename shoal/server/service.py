@@ -272,7 +272,7 @@ class TTSService:
                 await syn.aclose()
             self.ready = True
             log.info("warm-up done in %.2f s", time.perf_counter() - t)
-            mem = getattr(self.engine.engine, "memory", {})
+            mem = self.engine.engine.memory_bytes
             if mem:
                 log.info("memory: %s", ", ".join(f"{k} {v / 2 ** 30:.2f} GiB" for k, v in mem.items()))
 
@@ -416,7 +416,7 @@ class TTSService:
             "prefix_copied_tokens": float(pool.copied_tokens),
             "max_running": float(eng.max_running),
             "ready": 1.0 if self.ready else 0.0,
-            **{f"memory_bytes.{k}": float(v) for k, v in getattr(eng, "memory", {}).items()},
+            **{f"memory_bytes.{k}": float(v) for k, v in eng.memory_bytes.items()},
             **self._codec_snapshot(eng),
         }
 
