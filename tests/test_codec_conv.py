@@ -33,9 +33,14 @@ SHAPES = {
     "k7_d9_view": (1, 16, 16, 7, 9, 130, False, True),
     "k1_res": (3, 33, 33, 1, 1, 70, True, False),
     "k1_short": (2, 8, 70, 1, 1, 5, False, True),
+    # whole channel slices (C_in a multiple of the tile's BC): what the TMA variant reads
+    "k7_d3_res_whole": (3, 32, 48, 7, 3, 37, True, True),
+    "k1_res_whole": (2, 64, 32, 1, 1, 70, True, True),
 }
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
-                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
+                + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res",
+                   "tma_fp32_k7_d9_view", "tma_bf16_k7_d3_res_whole", "tma_fp32_k1_res_whole",
+                   "tma_flat_fp32_k7_d3_res_whole", "tma_fp32_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
                    "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_row_groups"])
 
 
@@ -68,6 +73,10 @@ def _conv_case(dt_name: str, shape: str) -> dict:
         expect = conv16 if r is None else (r.float() + conv16.float()).to(dt)
         tol = 2 * torch.finfo(dt).eps * expect.float().abs().max().item()
         checks["abs_err"] = ((out.float() - expect.float()).abs().max().item(), tol)
+    if os.environ.get("SHOAL_CODEC_CONV_TMA") == "1":
+        # the descriptor path runs only on whole channel slices; others fall back to pointers
+        bc = cc.conv_config(x.shape[1], w.shape[0], 0)[2]
+        flags["tma_path_as_expected"] = cc._tma_ok(x, cc.pack_conv_weight(w), bc) == (x.shape[1] % 16 == 0)
     flags["channels_last_out"] = out.stride(1) == 1 or out.shape[1] == 1
     flags["shape"] = tuple(out.shape) == tuple(ref.shape)
     return {"checks": checks, "flags": flags}
@@ -161,6 +170,12 @@ def _interp_case(name: str) -> dict:
         return _golden_decode_case(snake_epilogue="k1")
     if name == "golden_decode_fp32_row_groups":
         return _row_groups_case()
+    if name.startswith("tma_"):  # operands read through tensor descriptors
+        os.environ["SHOAL_CODEC_CONV_TMA"] = "1"
+        try:
+            return _interp_case(name[len("tma_"):])
+        finally:
+            del os.environ["SHOAL_CODEC_CONV_TMA"]
     if name.startswith("flat_"):  # the (tap, channel-slice) single-loop variant
         os.environ["SHOAL_CODEC_CONV_FLAT"] = "1"
         try:
@@ -264,6 +279,28 @@ def test_gpu_conv_matches_reference(dtype, shape):
     ref = r.double() + F.conv1d(x.double(), w.double(), b.double(), 1, 0, d)
     tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= tol
+
+
+@gpu
+@pytest.mark.parametrize("flat", ["0", "1"])
+@pytest.mark.parametrize("shape", [(64, 96, 96, 7, 9, 4096), (3, 192, 192, 7, 1, 1000), (5, 384, 384, 1, 1, 777)])
+def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(monkeypatch, flat, shape):
+    """The tensor-descriptor variant reads the same tiles in the same order: the same bits,
+    on an input that is a view after a carried context (as in a streaming call)."""
+    monkeypatch.setenv("SHOAL_CODEC_CONV_FLAT", flat)
+    B, ci, co, k, d, L_out = shape
+    g = torch.Generator().manual_seed(2)
+    buf = torch.randn(B, L_out + (k - 1) * d + 8, ci, generator=g).to(torch.bfloat16).cuda()
+    x = buf[:, 8:].transpose(1, 2)
+    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(torch.bfloat16).cuda()
+    b = torch.randn(co, generator=g).to(torch.bfloat16).cuda()
+    r = torch.randn(B, co, L_out, generator=g).to(torch.bfloat16).cuda()
+    packed = cc.pack_conv_weight(w)
+    cfg = tuple(cc.conv_config(ci, co, L_out)[:5])
+    assert cc._tma_ok(x, packed, cfg[2])
+    plain = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (0,))
+    tma = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (1,))
+    assert torch.equal(plain, tma)
 
 
 @gpu

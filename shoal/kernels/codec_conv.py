@@ -118,7 +118,7 @@ if HAS_TRITON:
 
     def _conv_kernel(
         x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
-        L_out, C_in, C_out, n_tb, n_nb,
+        L_out, C_in, C_out, n_tb, n_nb, x_rows,
         sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
         K: tl.constexpr,
         DIL: tl.constexpr,
@@ -134,6 +134,7 @@ if HAS_TRITON:
         IEEE: tl.constexpr,
         UPCAST: tl.constexpr,
         FLAT: tl.constexpr,
+        TMA: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)  # one flat axis; output-channel tiles fastest
         nb = pid % n_nb
@@ -145,8 +146,25 @@ if HAS_TRITON:
         tm = t < L_out
         nm = n < C_out
         acc = tl.zeros((BT, BN), dtype=tl.float32)
-        xb = x_ptr + b * sxb
-        if FLAT:  # one loop over (tap, channel slice): a long loop for the software pipeliner
+        if TMA:  # x_ptr / w_ptr are tensor descriptors (see conv1d_cl_triton): one bulk copy a tile
+            row0 = (b * x_rows + tb * BT).to(tl.int32)
+            n0 = (nb * BN).to(tl.int32)
+            if FLAT:
+                n_cc = C_in // BC
+                for it in range(0, K * n_cc):
+                    k = it // n_cc
+                    c0 = (it % n_cc) * BC
+                    a = x_ptr.load([row0 + k * DIL, c0])
+                    w = w_ptr.load([k * C_in + c0, n0])
+                    acc = _mma(a, w, acc, IEEE, UPCAST)
+            else:
+                for k in tl.static_range(K):
+                    for c0 in range(0, C_in, BC):
+                        a = x_ptr.load([row0 + k * DIL, c0])
+                        w = w_ptr.load([k * C_in + c0, n0])
+                        acc = _mma(a, w, acc, IEEE, UPCAST)
+        elif FLAT:  # one loop over (tap, channel slice): a long loop for the software pipeliner
+            xb = x_ptr + b * sxb
             n_cc = tl.cdiv(C_in, BC)
             for it in range(0, K * n_cc):
                 k = it // n_cc
@@ -158,6 +176,7 @@ if HAS_TRITON:
                             mask=cm[:, None] & nm[None, :], other=0.0)
                 acc = _mma(a, w, acc, IEEE, UPCAST)
         else:
+            xb = x_ptr + b * sxb
             for k in tl.static_range(K):
                 rows = (t + k * DIL)[:, None] * sxl
                 for c0 in range(0, C_in, BC):
@@ -200,7 +219,7 @@ if HAS_TRITON:
         # only a stride known to be divisible by 16 lets Triton prove the tiles 16-byte
         # aligned and issue vector loads and stores (unspecialized batch strides made every
         # conv 3-6x slower on an H200).
-        return _Wrap(_conv_kernel, do_not_specialize=["L_out", "n_tb", "n_nb"])
+        return _Wrap(_conv_kernel, do_not_specialize=["L_out", "n_tb", "n_nb", "x_rows"])
 
 
 def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
@@ -211,6 +230,25 @@ def _flat_loop() -> bool:
     """One (tap, channel-slice) loop instead of taps unrolled around a channel loop
     (``SHOAL_CODEC_CONV_FLAT=0|1``; the default is the faster one on an H200)."""
     return os.environ.get("SHOAL_CODEC_CONV_FLAT", "0") == "1"
+
+
+def _tma_default() -> bool:
+    """Whether a config without a TMA flag reads its operands through tensor descriptors
+    (``SHOAL_CODEC_CONV_TMA=0|1``)."""
+    return os.environ.get("SHOAL_CODEC_CONV_TMA", "0") == "1"
+
+
+def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
+    """Tensor descriptors need channels-last ``x`` (unit channel stride, the batch stride a
+    whole number of rows), 16-byte aligned bases and row strides, and whole channel slices
+    (a slice must not run into the next tap's weight rows)."""
+    B, C_in, _ = x.shape
+    es = x.element_size()
+    return (x.stride(1) == 1 and x.stride(2) > 0
+            and (B == 1 or (x.stride(0) > 0 and x.stride(0) % x.stride(2) == 0))
+            and x.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
+            and (x.stride(2) * es) % 16 == 0 and (packed.shape[2] * es) % 16 == 0
+            and C_in % bc == 0 and (bc * es) % 16 == 0)
 
 
 def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: int = 1, *,
@@ -259,11 +297,25 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         raise ValueError(f"residual must be {(B, C_out, L_out)} {x.dtype}")
     if out.numel() == 0:
         return out if write_out else None
-    bt, bn, bc, warps, stages = config or conv_config(C_in, C_out, L_out)
+    cfg = config or conv_config(C_in, C_out, L_out)
+    bt, bn, bc, warps, stages = cfg[:5]
     if x.dtype == torch.float32 and config is None:
         bc = min(bc, 32)  # fp32 tiles take twice the shared memory
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn)
+    tma = bool(cfg[5]) if len(cfg) > 5 else _tma_default()
+    x_src, w_src, x_rows = x, packed, 0
+    if tma and _tma_ok(x, packed, bc):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # x as rows of channels: batch b's sample t is row b * x_rows + t (channels-last
+        # memory: one row stride, the batch stride a whole number of rows). A valid output row
+        # reads only its own batch's rows; rows past the last batch's end read as zeros.
+        x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
+        x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C_in], [x.stride(2), 1], [bt, bc])
+        w_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn])
+    else:
+        tma = False
     r = residual if residual is not None else out
     opts = {"num_warps": warps}
     if not interpret:
@@ -271,9 +323,9 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         opts["enable_fp_fusion"] = False  # the Snake epilogue rounds like PyTorch (no FMA)
     so = snake_out if snake_alpha is not None else out
     _kernel()[(B * n_tb * n_nb,)](
-        x, packed, bias if bias is not None else packed, r, out,
+        x_src, w_src, bias if bias is not None else packed, r, out,
         snake_alpha if snake_alpha is not None else packed, so,
-        L_out, C_in, C_out, n_tb, n_nb,
+        L_out, C_in, C_out, n_tb, n_nb, x_rows,
         *x.stride(), *r.stride(), *out.stride(), *so.stride(),
         K=K, DIL=dilation,
         HAS_B=bias is not None, HAS_R=residual is not None,
@@ -287,6 +339,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
         UPCAST=interpret and x.dtype != torch.float32,
         FLAT=_flat_loop(),
+        TMA=tma,
         **opts,
     )
     return out if write_out else None
