@@ -40,7 +40,8 @@ SHAPES = {
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                 + ["flat_fp32_k7_d9_view", "flat_bf16_k7_d3_res",
                    "tma_fp32_k7_d9_view", "tma_bf16_k7_d3_res_whole", "tma_fp32_k1_res_whole",
-                   "tma_flat_fp32_k7_d3_res_whole", "tma_fp32_k7_d3_res", "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
+                   "tma_flat_fp32_k7_d3_res_whole", "tma_fp32_k7_d3_res", "tma_golden_decode_fp32",
+                   "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
                    "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_row_groups"])
 
 
@@ -248,9 +249,22 @@ def test_serving_default_by_dtype(monkeypatch):
 
 def test_config_env_override(monkeypatch):
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2")
-    assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2)
+    assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2, 0, 0)
+    monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2,1,1")
+    assert cc.conv_config(96, 96, 1000, 7) == (64, 32, 16, 4, 2, 1, 1)
+    monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16")
+    with pytest.raises(ValueError, match="BT,BN,BC"):
+        cc.conv_config(96, 96, 1000)
     monkeypatch.delenv("SHOAL_CODEC_CONV_CFG")
-    bt, bn, bc, _, _ = cc.conv_config(40, 24, 10)
+    # by kernel size first: the k=7 and k=1 convs of one channel count differ
+    assert cc.conv_config(96, 96, 0, 7) != cc.conv_config(96, 96, 0, 1)
+    assert cc.conv_config(96, 96, 0, 2) == cc.conv_config(96, 96, 0)  # no K entry: the channel pair's
+    monkeypatch.setenv("SHOAL_CODEC_CONV_TMA", "0")
+    monkeypatch.setenv("SHOAL_CODEC_CONV_FLAT", "1")
+    assert cc.conv_config(96, 96, 0, 7)[5:] == (0, 1)
+    monkeypatch.delenv("SHOAL_CODEC_CONV_TMA")
+    monkeypatch.delenv("SHOAL_CODEC_CONV_FLAT")
+    bt, bn, bc = cc.conv_config(40, 24, 10)[:3]
     assert bt == 128 and bn == 32 and bc == 64
     assert cc.conv_config(40, 24, 100000) == cc.conv_config(40, 24, 10)
 
@@ -284,10 +298,9 @@ def test_gpu_conv_matches_reference(dtype, shape):
 @gpu
 @pytest.mark.parametrize("flat", ["0", "1"])
 @pytest.mark.parametrize("shape", [(64, 96, 96, 7, 9, 4096), (3, 192, 192, 7, 1, 1000), (5, 384, 384, 1, 1, 777)])
-def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(monkeypatch, flat, shape):
+def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
     """The tensor-descriptor variant reads the same tiles in the same order: the same bits,
     on an input that is a view after a carried context (as in a streaming call)."""
-    monkeypatch.setenv("SHOAL_CODEC_CONV_FLAT", flat)
     B, ci, co, k, d, L_out = shape
     g = torch.Generator().manual_seed(2)
     buf = torch.randn(B, L_out + (k - 1) * d + 8, ci, generator=g).to(torch.bfloat16).cuda()
@@ -296,10 +309,10 @@ def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(monkeypatch, flat, shape
     b = torch.randn(co, generator=g).to(torch.bfloat16).cuda()
     r = torch.randn(B, co, L_out, generator=g).to(torch.bfloat16).cuda()
     packed = cc.pack_conv_weight(w)
-    cfg = tuple(cc.conv_config(ci, co, L_out)[:5])
+    cfg = tuple(cc.conv_config(ci, co, L_out, k)[:5])
     assert cc._tma_ok(x, packed, cfg[2])
-    plain = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (0,))
-    tma = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (1,))
+    plain = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (0, int(flat)))
+    tma = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (1, int(flat)))
     assert torch.equal(plain, tma)
 
 

@@ -72,35 +72,63 @@ def conv1d_cl_ref(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int 
     return y if residual is None else residual + y
 
 
-# (BT, BN, BC, num_warps, num_stages) by (C_in, C_out): the config with the least total time over
-# a channel count's convs (k7 at dilations 1/3/9 and k1, batch 64 x 32 and x 8 frames, bf16) in a
-# 12-config sweep on an H200 (`python -m shoal.bench.kernels_codec_conv`, docs/benchmarks.md).
-_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (1024, 1536): (128, 256, 64, 8, 3),
-    (768, 768): (128, 256, 64, 8, 3),
-    (384, 384): (128, 128, 32, 4, 4),
-    (192, 192): (128, 64, 64, 4, 3),
-    (96, 96): (128, 128, 32, 4, 4),
+# A config: (BT, BN, BC, num_warps, num_stages, TMA, FLAT). TMA: the operands are read through
+# tensor descriptors (one bulk copy per tile); FLAT: one loop over (tap, channel slice) instead of
+# the taps unrolled around a channel loop. By (C_in, C_out, K) first, then (C_in, C_out).
+Config = tuple[int, int, int, int, int, int, int]
+
+# Per conv, the fastest of a sweep on an H200 (bf16, batch 64 x 32 frames, CUDA-graph replay;
+# `python -m shoal.bench.kernels_codec_conv`, docs/benchmarks.md, 2026-12-04): descriptor loads
+# and the flat loop took the k=7 convs from 1,986 to 1,351 us (96 channels), 3,162 to 2,218
+# (192) and 2,232 to 1,597 (384).
+_CONFIGS: dict[tuple[int, ...], Config] = {
+    (1024, 1536): (128, 256, 64, 8, 3, 0, 0),
+    (768, 768, 7): (128, 256, 64, 8, 3, 1, 0),
+    (768, 768): (128, 256, 64, 8, 3, 1, 0),
+    (384, 384, 7): (256, 128, 64, 8, 3, 1, 1),
+    (384, 384, 1): (128, 128, 64, 8, 3, 1, 0),
+    (384, 384): (128, 128, 32, 4, 4, 0, 0),
+    (192, 192, 7): (128, 256, 64, 8, 3, 1, 1),
+    (192, 192, 1): (128, 64, 32, 4, 4, 1, 0),
+    (192, 192): (128, 64, 64, 4, 3, 0, 0),
+    (96, 96, 7): (256, 128, 32, 8, 4, 1, 1),
+    (96, 96, 1): (128, 128, 32, 4, 4, 1, 0),
+    (96, 96): (128, 128, 32, 4, 4, 0, 0),
 }
 
 
-def conv_config(c_in: int, c_out: int, length: int) -> tuple[int, int, int, int, int]:
-    """Tile sizes for a conv (independent of ``length``, so that every chunk size shares one
-    compiled variant); an env override ``SHOAL_CODEC_CONV_CFG=BT,BN,BC,warps,stages``
-    exists for tuning sweeps."""
+def conv_config(c_in: int, c_out: int, length: int, k: int | None = None) -> Config:
+    """Tile sizes and load variant for a conv with kernel ``k`` (independent of ``length``, so
+    that every chunk size shares one compiled variant). ``SHOAL_CODEC_CONV_CFG=BT,BN,BC,warps,
+    stages[,tma[,flat]]`` overrides it for tuning sweeps; ``SHOAL_CODEC_CONV_TMA`` /
+    ``SHOAL_CODEC_CONV_FLAT`` (``0|1``) override the two flags of every config."""
     env = os.environ.get("SHOAL_CODEC_CONV_CFG")
     if env:
-        bt, bn, bc, w, s = (int(v) for v in env.split(","))
-        return bt, bn, bc, w, s
-    cfg = _CONFIGS.get((c_in, c_out))
-    if cfg is not None:
-        return cfg
-    if c_out >= 768:  # wide outputs (the transposed convs as GEMMs)
-        return 128, 256, 64, 8, 3
-    bn = min(128, max(16, _next_pow2(c_out)))
-    bc = min(64, max(16, _next_pow2(c_in)))
-    # one tile height for every length: a new chunk size must not compile a new variant
-    return 128, bn, bc, 4, 3
+        vals = [int(v) for v in env.split(",")]
+        if len(vals) not in (5, 6, 7):
+            raise ValueError("SHOAL_CODEC_CONV_CFG needs BT,BN,BC,warps,stages[,tma[,flat]]")
+        cfg = tuple(vals + [0] * (7 - len(vals)))
+    else:
+        cfg = _CONFIGS.get((c_in, c_out, k)) or _CONFIGS.get((c_in, c_out))
+        if cfg is None:
+            if c_out >= 768:  # wide outputs (the transposed convs as GEMMs)
+                cfg = (128, 256, 64, 8, 3, 0, 0)
+            else:
+                bn = min(128, max(16, _next_pow2(c_out)))
+                bc = min(64, max(16, _next_pow2(c_in)))
+                # one tile height for every length: a new chunk size must not compile a new variant
+                cfg = (128, bn, bc, 4, 3, 0, 0)
+    return _with_flag_overrides(cfg)
+
+
+def _with_flag_overrides(cfg: tuple) -> Config:
+    cfg = tuple(cfg) + (0,) * (7 - len(cfg))
+    tma, flat = os.environ.get("SHOAL_CODEC_CONV_TMA"), os.environ.get("SHOAL_CODEC_CONV_FLAT")
+    if tma in ("0", "1"):
+        cfg = cfg[:5] + (int(tma),) + cfg[6:]
+    if flat in ("0", "1"):
+        cfg = cfg[:6] + (int(flat),)
+    return cfg
 
 
 if HAS_TRITON:
@@ -226,18 +254,6 @@ def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
     return torch.empty(B, L, C, device=like.device, dtype=like.dtype).transpose(1, 2)
 
 
-def _flat_loop() -> bool:
-    """One (tap, channel-slice) loop instead of taps unrolled around a channel loop
-    (``SHOAL_CODEC_CONV_FLAT=0|1``; the default is the faster one on an H200)."""
-    return os.environ.get("SHOAL_CODEC_CONV_FLAT", "0") == "1"
-
-
-def _tma_default() -> bool:
-    """Whether a config without a TMA flag reads its operands through tensor descriptors
-    (``SHOAL_CODEC_CONV_TMA=0|1``)."""
-    return os.environ.get("SHOAL_CODEC_CONV_TMA", "0") == "1"
-
-
 def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
     """Tensor descriptors need channels-last ``x`` (unit channel stride, the batch stride a
     whole number of rows), 16-byte aligned bases and row strides, and whole channel slices
@@ -255,7 +271,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
                      residual: Tensor | None = None, out: Tensor | None = None,
                      snake_alpha: Tensor | None = None, snake_out: Tensor | None = None,
                      write_out: bool = True,
-                     config: tuple[int, int, int, int, int] | None = None) -> Tensor | None:
+                     config: tuple[int, ...] | None = None) -> Tensor | None:
     """Kernel version of :func:`conv1d_cl_ref` with the weight packed by :func:`pack_conv_weight`.
 
     ``x`` is ``[B, C_in, L_in]`` with any strides (channels-last memory, ``stride(1) == 1``,
@@ -297,13 +313,12 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         raise ValueError(f"residual must be {(B, C_out, L_out)} {x.dtype}")
     if out.numel() == 0:
         return out if write_out else None
-    cfg = config or conv_config(C_in, C_out, L_out)
-    bt, bn, bc, warps, stages = cfg[:5]
+    cfg = tuple(config) + (0,) * (7 - len(config)) if config else conv_config(C_in, C_out, L_out, K)
+    bt, bn, bc, warps, stages, tma, flat = cfg
     if x.dtype == torch.float32 and config is None:
         bc = min(bc, 32)  # fp32 tiles take twice the shared memory
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn)
-    tma = bool(cfg[5]) if len(cfg) > 5 else _tma_default()
     x_src, w_src, x_rows = x, packed, 0
     if tma and _tma_ok(x, packed, bc):
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -338,8 +353,8 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs
         IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
         UPCAST=interpret and x.dtype != torch.float32,
-        FLAT=_flat_loop(),
-        TMA=tma,
+        FLAT=bool(flat),
+        TMA=bool(tma),
         **opts,
     )
     return out if write_out else None
