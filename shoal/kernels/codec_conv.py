@@ -77,22 +77,30 @@ def conv1d_cl_ref(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int 
 # the taps unrolled around a channel loop. By (C_in, C_out, K) first, then (C_in, C_out).
 Config = tuple[int, int, int, int, int, int, int]
 
-# Per conv, the fastest of a sweep on an H200 (bf16, batch 64 x 32 frames, CUDA-graph replay;
-# `python -m shoal.bench.kernels_codec_conv`, docs/benchmarks.md, 2026-12-04): descriptor loads
-# and the flat loop took the k=7 convs from 1,986 to 1,351 us (96 channels), 3,162 to 2,218
-# (192) and 2,232 to 1,597 (384).
+# Per conv, the fastest of two sweeps on an H200 (bf16, batch 64 x 32 frames, CUDA-graph replay;
+# `python -m shoal.bench.kernels_codec_conv` and docs/benchmarks.md, 2026-12-04): descriptor
+# loads and the flat loop took the k=7 convs from 1,986 to 1,311 us (96 channels), 3,162 to 2,207
+# (192) and 2,232 to 1,562 (384); K=2 are the transposed convs as 2-tap GEMMs
+# (C_out = stride x channels out).
 _CONFIGS: dict[tuple[int, ...], Config] = {
-    (1024, 1536): (128, 256, 64, 8, 3, 0, 0),
-    (768, 768, 7): (128, 256, 64, 8, 3, 1, 0),
-    (768, 768): (128, 256, 64, 8, 3, 1, 0),
+    (1024, 1536, 7): (128, 256, 64, 8, 4, 1, 1),
+    (1536, 6144, 2): (128, 256, 64, 8, 3, 1, 1),
+    (768, 3072, 2): (128, 256, 64, 8, 3, 1, 1),
+    (768, 768, 7): (128, 256, 64, 8, 4, 1, 1),
+    (768, 768, 1): (128, 128, 64, 8, 3, 1, 0),
+    (384, 768, 2): (128, 128, 64, 8, 3, 1, 0),
     (384, 384, 7): (256, 128, 64, 8, 3, 1, 1),
     (384, 384, 1): (128, 128, 64, 8, 3, 1, 0),
-    (384, 384): (128, 128, 32, 4, 4, 0, 0),
-    (192, 192, 7): (128, 256, 64, 8, 3, 1, 1),
+    (192, 192, 7): (128, 256, 32, 8, 5, 1, 1),
+    (192, 192, 2): (128, 64, 32, 4, 4, 1, 1),
     (192, 192, 1): (128, 64, 32, 4, 4, 1, 0),
-    (192, 192): (128, 64, 64, 4, 3, 0, 0),
-    (96, 96, 7): (256, 128, 32, 8, 4, 1, 1),
+    (96, 96, 7): (256, 128, 32, 8, 6, 1, 1),
     (96, 96, 1): (128, 128, 32, 4, 4, 1, 0),
+    # other kernel sizes of these channel counts (the 2026-11-29 sweep, pointer loads)
+    (1024, 1536): (128, 256, 64, 8, 3, 0, 0),
+    (768, 768): (128, 256, 64, 8, 3, 0, 0),
+    (384, 384): (128, 128, 32, 4, 4, 0, 0),
+    (192, 192): (128, 64, 64, 4, 3, 0, 0),
     (96, 96): (128, 128, 32, 4, 4, 0, 0),
 }
 
