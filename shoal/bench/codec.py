@@ -275,6 +275,7 @@ def pool_breakdown(dev) -> dict:
     out = {"default_reserved_gib": 0.0, "default_allocated_gib": 0.0, "graph_pools_reserved_gib": 0.0,
            "graph_pools_allocated_gib": 0.0, "graph_pools": 0}
     pools = set()
+    segs: list[float] = []
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     for seg in torch.cuda.memory_snapshot():
         if seg.get("device", 0) != index:
@@ -285,7 +286,10 @@ def pool_breakdown(dev) -> dict:
             pools.add(pid)
         out[f"{kind}_reserved_gib"] += seg["total_size"] / gib
         out[f"{kind}_allocated_gib"] += seg["allocated_size"] / gib
+        if kind == "graph_pools":
+            segs.append(seg["total_size"] / 2 ** 20)
     out["graph_pools"] = len(pools)
+    out["graph_pool_segments_mib"] = sorted(segs, reverse=True)  # how the pool is cut up
     out["default_held_free_gib"] = out["default_reserved_gib"] - out["default_allocated_gib"]
     return out
 
@@ -320,10 +324,12 @@ def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane
     st = AudioStreamer(codec, streams, ChunkSchedule(), max_call_streams, first_lane=first_lane)
     sync(dev)
     a2, r2 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     st.warmup()
     sync(dev)
     warm_s = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(dev)
     torch.cuda.empty_cache()  # the eager warm-up calls' cached blocks (the engine returns them too)
     a3, r3 = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
     gib = 2 ** 30
@@ -344,6 +350,8 @@ def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane
            "streamer_allocated_gib": (a2 - a1) / gib, "lanes": lanes,
            "warmup_reserved_gib": (r3 - r2) / gib,  # graph pools (and the allocator's slack)
            "warmup_allocated_gib": (a3 - a2) / gib, "warmup_s": warm_s,
+           # the most the warm-up's calls had live at once (eager ones and captures alike)
+           "warmup_peak_live_gib": (peak - a2) / gib,
            "reserved_total_gib": (r3 - r0) / gib}
     # the decode path's resident memory: everything the codec holds on the GPU but the
     # encoder's weights (reserved, so graph pools and the allocator's slack count)
