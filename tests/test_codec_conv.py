@@ -247,6 +247,16 @@ def test_serving_default_by_dtype(monkeypatch):
     assert not cc.codec_conv_enabled(torch.float32) and cc.codec_conv_enabled(torch.bfloat16)
 
 
+def test_fp32_tiles_fit_shared_memory():
+    """An fp32 conv on a bf16-tuned config (deep pipelines) gets tiles that compile: each
+    shipped config, once shrunk, keeps its operand tiles within the budget."""
+    for key, (bt, bn, bc, _, stages, _, _) in cc._CONFIGS.items():
+        bc32, st32 = cc.fp32_tiles(bt, bn, bc, stages)
+        assert bc32 <= 32 and 2 <= st32 <= stages, key
+        assert st32 * (bt * bc32 + bc32 * bn) * 4 <= cc.FP32_SMEM_BUDGET, key
+    assert cc.fp32_tiles(256, 128, 32, 6) == (32, 3)
+
+
 def test_config_env_override(monkeypatch):
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2")
     assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2, 0, 0)

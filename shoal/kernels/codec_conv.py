@@ -262,6 +262,18 @@ def _channels_last_empty(B: int, C: int, L: int, like: Tensor) -> Tensor:
     return torch.empty(B, L, C, device=like.device, dtype=like.dtype).transpose(1, 2)
 
 
+FP32_SMEM_BUDGET = 160 * 1024  # bytes of operand tiles in flight; an H200 SM has 227 KiB
+
+
+def fp32_tiles(bt: int, bn: int, bc: int, stages: int) -> tuple[int, int]:
+    """``(BC, stages)`` of a 16-bit config run on fp32 operands: four-byte tiles take twice
+    the shared memory, so the channel slice is capped at 32 and the pipeline shortened until
+    its tiles fit ``FP32_SMEM_BUDGET`` (a deep bf16 pipeline would not compile)."""
+    bc = min(bc, 32)
+    fit = FP32_SMEM_BUDGET // ((bt * bc + bc * bn) * 4)
+    return bc, max(2, min(stages, fit))
+
+
 def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
     """Tensor descriptors need channels-last ``x`` (unit channel stride, the batch stride a
     whole number of rows), 16-byte aligned bases and row strides, and whole channel slices
@@ -324,7 +336,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     cfg = tuple(config) + (0,) * (7 - len(config)) if config else conv_config(C_in, C_out, L_out, K)
     bt, bn, bc, warps, stages, tma, flat = cfg
     if x.dtype == torch.float32 and config is None:
-        bc = min(bc, 32)  # fp32 tiles take twice the shared memory
+        bc, stages = fp32_tiles(bt, bn, bc, stages)
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn)
     x_src, w_src, x_rows = x, packed, 0
