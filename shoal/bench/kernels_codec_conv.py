@@ -38,11 +38,16 @@ BACKEND_ENV = {"triton_tiled_snake": {"SHOAL_SNAKE_FLAT": "0"},
 # the decoder's Snake sites: (channels, samples per frame) at its four rates (44.1 kHz / 2048-sample frames)
 SNAKE_SITES = ((1536, 4), (768, 32), (384, 256), (192, 1024), (96, 2048))
 
-CONFIGS = [  # (BT, BN, BC, warps, stages)
+_TILES = [  # (BT, BN, BC, warps, stages)
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
     (128, 128, 32, 4, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 64, 64, 4, 4),
-    (128, 96, 32, 4, 3), (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (256, 64, 64, 8, 3),
+    (128, 128, 128, 8, 2), (64, 256, 64, 8, 3), (256, 64, 64, 8, 3),
+    (256, 128, 32, 8, 4), (256, 128, 32, 8, 6), (128, 256, 32, 8, 5), (128, 64, 32, 4, 4),
+    (128, 256, 64, 8, 4),
 ]
+# each tile with pointer loads, and with descriptor (TMA) loads unrolled and flat:
+# (BT, BN, BC, warps, stages, TMA, FLAT), see shoal.kernels.codec_conv
+CONFIGS = [t + v for t in _TILES for v in ((0, 0), (1, 0), (1, 1))]
 
 
 def log(msg: str) -> None:
@@ -275,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--skip", default="", help="comma list: snake,convs,decode,epilogue,trace,profile")
     p.add_argument("--backends", default="cudnn_ncl,cudnn_nlc,triton")
-    p.add_argument("--configs", default="sweep", help="sweep (12 tile configs) or table (the shipped one)")
+    p.add_argument("--configs", default="sweep", help="sweep (16 tiles x pointer / descriptor / flat-descriptor "
+                                                      "loads) or table (the shipped config)")
     p.add_argument("--min-k", type=int, default=1, help="only convs with at least this many taps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 from ..kernels.codec_conv import conv_config
 
-                cfgs = CONFIGS if args.configs == "sweep" else [conv_config(s["c_in"], s["c_out"], s["l_in"])]
+                cfgs = CONFIGS if args.configs == "sweep" else [conv_config(s["c_in"], s["c_out"], s["l_in"], s["k"])]
                 r = bench_conv(s, dtype, cfgs)
                 r["count_per_call"] = count
                 out["convs"].append(r)
