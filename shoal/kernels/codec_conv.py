@@ -274,12 +274,21 @@ def fp32_tiles(bt: int, bn: int, bc: int, stages: int) -> tuple[int, int]:
     return bc, max(2, min(stages, fit))
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    """Whether a CUDA device has the tensor-memory accelerator (sm_90 and later); the
+    configs' TMA flag was measured there, older GPUs keep pointer loads."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
-    """Tensor descriptors need channels-last ``x`` (unit channel stride, the batch stride a
-    whole number of rows), 16-byte aligned bases and row strides, and whole channel slices
-    (a slice must not run into the next tap's weight rows)."""
+    """Tensor descriptors need a GPU with TMA (or the interpreter), channels-last ``x`` (unit
+    channel stride, the batch stride a whole number of rows), 16-byte aligned bases and row
+    strides, and whole channel slices (a slice must not run into the next tap's weight rows)."""
     B, C_in, _ = x.shape
     es = x.element_size()
+    if x.is_cuda and not triton_interpreting() and not _has_tma(x.device.index or 0):
+        return False
     return (x.stride(1) == 1 and x.stride(2) > 0
             and (B == 1 or (x.stride(0) > 0 and x.stride(0) % x.stride(2) == 0))
             and x.data_ptr() % 16 == 0 and packed.data_ptr() % 16 == 0
