@@ -42,7 +42,9 @@ INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                    "tma_fp32_k7_d9_view", "tma_bf16_k7_d3_res_whole", "tma_fp32_k1_res_whole",
                    "tma_flat_fp32_k7_d3_res_whole", "tma_fp32_k7_d3_res", "tma_golden_decode_fp32",
                    "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
-                   "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_row_groups"])
+                   "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_k1_prologues",
+                   "golden_decode_fp32_row_groups", "pre_snake_bf16", "pre_snake_fp32",
+                   "tma_pre_snake_bf16"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -115,6 +117,31 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
                                         "decoder_path": bool(used) and set(used) == {want}}}
 
 
+def _pre_snake_case(dt: torch.dtype) -> dict:
+    """A k=1 conv with ``pre_snake_alpha`` equals the Snake kernel followed by the plain conv,
+    bit for bit (residual and epilogue Snake included), on a view after a context."""
+    from shoal.kernels.snake import snake
+
+    g = torch.Generator().manual_seed(11)
+    B, ci, co, L = 2, 32, 48, 37
+    x = torch.randn(B, L + 3, ci, generator=g).to(dt)[:, 3:].transpose(1, 2)
+    w = (torch.randn(co, ci, 1, generator=g) / ci ** 0.5).to(dt)
+    b = torch.randn(co, generator=g).to(dt)
+    alpha = (torch.rand(ci, generator=g) + 0.5).to(dt)
+    alpha2 = (torch.rand(co, generator=g) + 0.5).to(dt)
+    r = torch.randn(B, co, L, generator=g).to(dt)
+    s = snake(x, alpha)[0]
+    packed = cc.pack_conv_weight(w)
+    want_s = torch.empty(B, L, co, dtype=dt).transpose(1, 2)
+    got_s = torch.empty_like(want_s)
+    want = cc.conv1d_cl_triton(s, packed, b, 1, residual=r, snake_alpha=alpha2, snake_out=want_s)
+    got = cc.conv1d_cl_triton(x, packed, b, 1, residual=r, snake_alpha=alpha2, snake_out=got_s, pre_snake_alpha=alpha)
+    plain = cc.conv1d_cl_triton(x, packed, b, 1, residual=r)
+    return {"checks": {"out_diff": ((got.float() - want.float()).abs().max().item(), 0.0),
+                       "snake_out_diff": ((got_s.float() - want_s.float()).abs().max().item(), 0.0)},
+            "flags": {"snake_changes_the_input": not torch.equal(plain, got)}}
+
+
 def _row_groups_case() -> dict:
     """Two streams decoded in two chunks with the high-rate blocks in row groups of one
     stream (the serving path, k=1 epilogues) equal the same decode in one group."""
@@ -169,6 +196,12 @@ def _interp_case(name: str) -> dict:
         return _golden_decode_case(snake_epilogue=False)
     if name == "golden_decode_fp32_k1_epilogues":
         return _golden_decode_case(snake_epilogue="k1")
+    if name == "golden_decode_fp32_k1_prologues":
+        return _golden_decode_case(snake_epilogue="k1pre")
+    if name == "pre_snake_bf16":
+        return _pre_snake_case(torch.bfloat16)
+    if name == "pre_snake_fp32":
+        return _pre_snake_case(torch.float32)
     if name == "golden_decode_fp32_row_groups":
         return _row_groups_case()
     if name.startswith("tma_"):  # operands read through tensor descriptors
@@ -330,7 +363,8 @@ def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
 @pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="golden vectors not available")
 # the epilogue variant (off by default) in fp32 only: each case compiles ~20 kernel variants
 @pytest.mark.parametrize("dtype,snake_epilogue", [(torch.float32, False), (torch.bfloat16, False),
-                                                  (torch.float32, True), (torch.float32, "k1")])
+                                                  (torch.float32, True), (torch.float32, "k1"),
+                                                  (torch.float32, "k1pre")])
 def test_gpu_triton_decoder_matches_cudnn_decoder(dtype, snake_epilogue):
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
 
@@ -365,12 +399,13 @@ def test_snake_epilogue_modes_parse(monkeypatch):
 
     codec = build_codec(True, torch.device("cpu"))
     for given, stored in ((True, True), ("all", True), ("k1", "k1"), ("K1", "k1"), ("none", False), (False, False),
-                          (1, True), (0, False)):
+                          (1, True), (0, False), ("k1pre", "k1pre"), ("K1PRE", "k1pre")):
         codec.configure_serving(snake_epilogue=given)
         assert codec.decoder.snake_epilogue == stored
     with pytest.raises(ValueError, match="snake_epilogue"):
         codec.configure_serving(snake_epilogue="k7")
-    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "k1")):
+    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "k1"),
+                      ("k1pre", "k1pre")):
         monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", env)
         assert snake_epilogue_mode() == mode
     monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", "kl")
@@ -392,7 +427,7 @@ def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
     codes = random_codes(3, 24, "cuda", seed=4)
     outs = {}
     try:
-        for mode in (False, "k1", True):
+        for mode in (False, "k1", True, "k1pre"):
             codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode)
             dec = StreamingDecoder(codec)
             st = dec.new_state(3)
@@ -400,7 +435,7 @@ def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
             outs[mode] = (codec.decode(codes), torch.cat(parts, -1))
     finally:
         codec.configure_serving(channels_last=False, triton_conv=False, snake_epilogue=False)
-    for mode in ("k1", True):
+    for mode in ("k1", True, "k1pre"):
         assert torch.equal(outs[mode][0], outs[False][0]), mode
         assert torch.equal(outs[mode][1], outs[False][1]), mode
 

@@ -89,8 +89,10 @@ class Decoder(StreamingModule):
         self.fused = True  # Codec.configure_serving(fused=False): the module-by-module path
         self.channels_last = False
         # Triton convs: Snakes in the conv epilogues (_forward_triton) rather than separate
-        # kernels: False (none), "all", or "k1" (only the k=1 convs' residual + Snake epilogues;
-        # the dilated k=7 convs write their output and the separate Snake kernel follows)
+        # kernels: False (none), "all", "k1" (only the k=1 convs' residual + Snake epilogues;
+        # the dilated k=7 convs write their output and the separate Snake kernel follows), or
+        # "k1pre" (as "k1", but each k=1 conv applies the k=7 output's Snake to its input tiles
+        # as it loads them: no separate Snake kernel, no Snake'd copy written)
         self.snake_epilogue: bool | str = False
         # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
         # run over groups of streams holding at most N decoder-input positions (streams x 4 x
@@ -205,12 +207,17 @@ class Decoder(StreamingModule):
             del y
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
-                s2 = self._act(h)
-                if self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
+                pre_alpha = None
+                if self.snake_epilogue == "k1pre":  # the k1 conv Snakes its input tiles itself
+                    s2 = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
+                    pre_alpha = snake2.alpha
+                elif self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
+                    s2 = self._act(h)
                     a = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
                     snake_op(a, snake2.alpha, out=s2)
                     del a
                 else:
+                    s2 = self._act(h)
                     conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
                                      snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
                 del cbuf  # the k7 conv's input: read, and its context saved
@@ -231,7 +238,8 @@ class Decoder(StreamingModule):
                     nxt._with_context(nbuf, state)
                     body, h_new = nbuf[..., nxt.padding:], None
                 conv1d_cl_triton(s2, conv1.packed_weight(), conv1.conv.bias, 1, residual=h, out=h_new,
-                                 snake_alpha=alpha, snake_out=body, write_out=h_new is not None)
+                                 snake_alpha=alpha, snake_out=body, write_out=h_new is not None,
+                                 pre_snake_alpha=pre_alpha)
                 del s2, body
                 h, cbuf = h_new, nbuf
                 del h_new, nbuf
@@ -597,9 +605,10 @@ class Codec(nn.Module):
         if snake_epilogue is not None:
             if isinstance(snake_epilogue, str):
                 key = snake_epilogue.strip().lower()
-                if key not in ("k1", "all", "none"):
-                    raise ValueError(f"snake_epilogue must be a bool, 'all', 'k1' or 'none', got {snake_epilogue!r}")
-                self.decoder.snake_epilogue = {"all": True, "none": False}.get(key, "k1")
+                if key not in ("k1", "k1pre", "all", "none"):
+                    raise ValueError("snake_epilogue must be a bool, 'all', 'k1', 'k1pre' or 'none', "
+                                     f"got {snake_epilogue!r}")
+                self.decoder.snake_epilogue = {"all": True, "none": False}.get(key, key)
             else:
                 self.decoder.snake_epilogue = bool(snake_epilogue)
         if fused is not None:

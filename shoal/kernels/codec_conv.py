@@ -152,8 +152,14 @@ if HAS_TRITON:
         # bf16 / fp16 inputs, or fp32 as TF32 (torch.backends.cudnn.allow_tf32)
         return tl.dot(a, w, acc, input_precision="tf32")
 
+    def _pre_snake_impl(a, p_ptr, c, C_in, DT: tl.constexpr, ACCURATE_SIN: tl.constexpr):
+        """Snake_alpha of an input tile (channels ``c``), rounded to the storage dtype as the
+        separate Snake kernel rounds it: the conv then reads Snake(x) without it being stored."""
+        alpha = tl.load(p_ptr + c, mask=c < C_in, other=1.0).to(tl.float32)
+        return _snake_math(a.to(tl.float32), alpha[None, :], DT, ACCURATE_SIN).to(a.dtype)
+
     def _conv_kernel(
-        x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+        x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr, p_ptr,
         L_out, C_in, C_out, n_tb, n_nb, x_rows,
         sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
         K: tl.constexpr,
@@ -162,6 +168,7 @@ if HAS_TRITON:
         HAS_R: tl.constexpr,
         WRITE_O: tl.constexpr,
         SNAKE: tl.constexpr,
+        PRE_SNAKE: tl.constexpr,
         ACCURATE_SIN: tl.constexpr,
         BT: tl.constexpr,
         BN: tl.constexpr,
@@ -191,12 +198,16 @@ if HAS_TRITON:
                     k = it // n_cc
                     c0 = (it % n_cc) * BC
                     a = x_ptr.load([row0 + k * DIL, c0])
+                    if PRE_SNAKE:
+                        a = _pre_snake(a, p_ptr, c0 + tl.arange(0, BC), C_in, DT, ACCURATE_SIN)
                     w = w_ptr.load([k * C_in + c0, n0])
                     acc = _mma(a, w, acc, IEEE, UPCAST)
             else:
                 for k in tl.static_range(K):
                     for c0 in range(0, C_in, BC):
                         a = x_ptr.load([row0 + k * DIL, c0])
+                        if PRE_SNAKE:
+                            a = _pre_snake(a, p_ptr, c0 + tl.arange(0, BC), C_in, DT, ACCURATE_SIN)
                         w = w_ptr.load([k * C_in + c0, n0])
                         acc = _mma(a, w, acc, IEEE, UPCAST)
         elif FLAT:  # one loop over (tap, channel slice): a long loop for the software pipeliner
@@ -208,6 +219,8 @@ if HAS_TRITON:
                 cm = c < C_in
                 a = tl.load(xb + (t + k * DIL)[:, None] * sxl + c[None, :].to(tl.int64) * sxc,
                             mask=tm[:, None] & cm[None, :], other=0.0)
+                if PRE_SNAKE:
+                    a = _pre_snake(a, p_ptr, c, C_in, DT, ACCURATE_SIN)
                 w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
                             mask=cm[:, None] & nm[None, :], other=0.0)
                 acc = _mma(a, w, acc, IEEE, UPCAST)
@@ -219,6 +232,8 @@ if HAS_TRITON:
                     c = c0 + tl.arange(0, BC)
                     cm = c < C_in
                     a = tl.load(xb + rows + c[None, :].to(tl.int64) * sxc, mask=tm[:, None] & cm[None, :], other=0.0)
+                    if PRE_SNAKE:
+                        a = _pre_snake(a, p_ptr, c, C_in, DT, ACCURATE_SIN)
                     w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
                                 mask=cm[:, None] & nm[None, :], other=0.0)
                     acc = _mma(a, w, acc, IEEE, UPCAST)
@@ -244,6 +259,7 @@ if HAS_TRITON:
         from triton.runtime.jit import JITFunction as _Wrap
 
     _mma = _Wrap(_mma_impl)
+    _pre_snake = _Wrap(_pre_snake_impl)
 
     @functools.cache
     def _kernel():
@@ -299,7 +315,7 @@ def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
 def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: int = 1, *,
                      residual: Tensor | None = None, out: Tensor | None = None,
                      snake_alpha: Tensor | None = None, snake_out: Tensor | None = None,
-                     write_out: bool = True,
+                     write_out: bool = True, pre_snake_alpha: Tensor | None = None,
                      config: tuple[int, ...] | None = None) -> Tensor | None:
     """Kernel version of :func:`conv1d_cl_ref` with the weight packed by :func:`pack_conv_weight`.
 
@@ -310,7 +326,12 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     ``snake_alpha`` / ``snake_out``: also write ``Snake_alpha(result)`` (rounded exactly as
     :func:`shoal.kernels.snake.snake` rounds) into ``snake_out`` (any strides, e.g. the next
     conv's input buffer after its left context). ``write_out=False`` skips storing the result
-    itself (returns None) when only its Snake is needed."""
+    itself (returns None) when only its Snake is needed.
+
+    ``pre_snake_alpha`` (``[C_in]``): convolve ``Snake_alpha(x)`` instead of ``x``, each
+    loaded input tile passed through the Snake (rounded as the separate kernel rounds it) on
+    its way to the MMA, so that a Snake'd input is never written out. Meant for k=1 convs,
+    which read each input sample once per output tile; a k=7 conv would evaluate it 7 times."""
     interpret = _require_kernel(x)
     _check_dtype("x", x)
     if x.dim() != 3 or packed.dim() != 3:
@@ -332,6 +353,10 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         snake_alpha = snake_alpha.reshape(C_out).contiguous()
     elif not write_out:
         raise ValueError("write_out=False needs a Snake output")
+    if pre_snake_alpha is not None:
+        if pre_snake_alpha.numel() != C_in:
+            raise ValueError(f"pre_snake_alpha must have {C_in} elements")
+        pre_snake_alpha = pre_snake_alpha.reshape(C_in).contiguous()
     if out is None and write_out:
         out = _channels_last_empty(B, C_out, L_out, x)
     elif out is None:
@@ -369,14 +394,16 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     _kernel()[(B * n_tb * n_nb,)](
         x_src, w_src, bias if bias is not None else packed, r, out,
         snake_alpha if snake_alpha is not None else packed, so,
+        pre_snake_alpha if pre_snake_alpha is not None else packed,
         L_out, C_in, C_out, n_tb, n_nb, x_rows,
         *x.stride(), *r.stride(), *out.stride(), *so.stride(),
         K=K, DIL=dilation,
         HAS_B=bias is not None, HAS_R=residual is not None,
-        WRITE_O=write_out, SNAKE=snake_alpha is not None,
-        # the epilogue Snake's sine (see snake.sin_mode); a constant without one, so that the
-        # sine setting compiles no extra plain-conv variants
-        ACCURATE_SIN=sin_mode(x.dtype, interpret) if snake_alpha is not None else 0,
+        WRITE_O=write_out, SNAKE=snake_alpha is not None, PRE_SNAKE=pre_snake_alpha is not None,
+        # the Snakes' sine (see snake.sin_mode); a constant without one, so that the sine
+        # setting compiles no extra plain-conv variants
+        ACCURATE_SIN=(sin_mode(x.dtype, interpret)
+                      if snake_alpha is not None or pre_snake_alpha is not None else 0),
         BT=bt, BN=bn, BC=bc,
         DT=_DT_CODE[x.dtype],
         # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs
