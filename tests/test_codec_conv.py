@@ -63,7 +63,15 @@ def conv_inputs(name: str, dt: torch.dtype):
 def _conv_case(dt_name: str, shape: str) -> dict:
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
     x, w, b, d, r = conv_inputs(shape, dt)
-    out = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w), b, d, residual=r)
+    import triton.tools.tensor_descriptor as td
+
+    made = []
+    real_desc = td.TensorDescriptor
+    td.TensorDescriptor = lambda *a, **k: (made.append(a[0].shape), real_desc(*a, **k))[1]
+    try:
+        out = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w), b, d, residual=r)
+    finally:
+        td.TensorDescriptor = real_desc
     ref = F.conv1d(x.float(), w.float(), b.float(), 1, 0, d)
     checks, flags = {}, {}
     if dt == torch.float32:
@@ -80,6 +88,10 @@ def _conv_case(dt_name: str, shape: str) -> dict:
         # the descriptor path runs only on whole channel slices; others fall back to pointers
         bc = cc.conv_config(x.shape[1], w.shape[0], 0)[2]
         flags["tma_path_as_expected"] = cc._tma_ok(x, cc.pack_conv_weight(w), bc) == (x.shape[1] % 16 == 0)
+        # the launch took the path the predicate chose (two descriptors: input and weight)
+        flags["descriptors_made"] = len(made) == (2 if x.shape[1] % 16 == 0 else 0)
+    else:
+        flags["no_descriptors"] = not made
     flags["channels_last_out"] = out.stride(1) == 1 or out.shape[1] == 1
     flags["shape"] = tuple(out.shape) == tuple(ref.shape)
     return {"checks": checks, "flags": flags}
@@ -280,6 +292,26 @@ def test_serving_default_by_dtype(monkeypatch):
     assert not cc.codec_conv_enabled(torch.float32) and cc.codec_conv_enabled(torch.bfloat16)
 
 
+def test_tma_needs_aligned_whole_slices():
+    """The descriptor path's preconditions (CPU tensors: the GPU capability gate is not
+    consulted): channels-last, 16-byte aligned base, whole channel slices, row batch strides."""
+    buf = torch.zeros(2, 40, 32, dtype=torch.bfloat16)
+    x = buf.transpose(1, 2)  # [B, C, L], channels-last memory
+    packed = torch.zeros(7, 32, 48, dtype=torch.bfloat16)
+    assert cc._tma_ok(x, packed, 32)
+    assert not cc._tma_ok(x, packed, 64)  # a 64-wide slice would run into the next tap
+    assert not cc._tma_ok(buf.flatten()[1:1 + 2 * 39 * 32].view(2, 39, 32).transpose(1, 2), packed, 32)  # 2-byte offset
+    assert not cc._tma_ok(torch.zeros(2, 32, 40, dtype=torch.bfloat16), packed, 32)  # channels-first
+    assert cc._tma_ok(buf[:, 8:].transpose(1, 2), packed, 32)  # a view after a context
+    assert cc._tma_ok(buf[:1].transpose(1, 2), packed, 32)
+
+
+def test_fit_stages():
+    assert cc.fit_stages(256, 128, 32, 6, 2, 195 * 1024) == 6  # 144 KiB
+    assert cc.fit_stages(128, 256, 64, 4, 2, 131 * 1024) == 2  # 48 KiB a stage: an A100-sized budget
+    assert cc.fit_stages(128, 256, 64, 4, 2, 1024) == 2  # never below two
+
+
 def test_fp32_tiles_fit_shared_memory():
     """An fp32 conv on a bf16-tuned config (deep pipelines) gets tiles that compile: each
     shipped config, once shrunk, keeps its operand tiles within the budget."""
@@ -340,7 +372,8 @@ def test_gpu_conv_matches_reference(dtype, shape):
 
 @gpu
 @pytest.mark.parametrize("flat", ["0", "1"])
-@pytest.mark.parametrize("shape", [(64, 96, 96, 7, 9, 4096), (3, 192, 192, 7, 1, 1000), (5, 384, 384, 1, 1, 777)])
+@pytest.mark.parametrize("shape", [(64, 96, 96, 7, 9, 4096), (3, 192, 192, 7, 1, 1000), (5, 384, 384, 1, 1, 777),
+                                   (1, 96, 96, 7, 3, 999), (4, 384, 768, 2, 1, 500)])
 def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
     """The tensor-descriptor variant reads the same tiles in the same order: the same bits,
     on an input that is a view after a carried context (as in a streaming call)."""
@@ -357,6 +390,8 @@ def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
     plain = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (0, int(flat)))
     tma = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (1, int(flat)))
     assert torch.equal(plain, tma)
+    unrolled = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (0, 0))
+    assert torch.equal(plain, unrolled)  # the flat loop sums in the same order
 
 
 @gpu

@@ -286,8 +286,22 @@ def fp32_tiles(bt: int, bn: int, bc: int, stages: int) -> tuple[int, int]:
     the shared memory, so the channel slice is capped at 32 and the pipeline shortened until
     its tiles fit ``FP32_SMEM_BUDGET`` (a deep bf16 pipeline would not compile)."""
     bc = min(bc, 32)
-    fit = FP32_SMEM_BUDGET // ((bt * bc + bc * bn) * 4)
-    return bc, max(2, min(stages, fit))
+    return bc, fit_stages(bt, bn, bc, stages, 4, FP32_SMEM_BUDGET)
+
+
+def fit_stages(bt: int, bn: int, bc: int, stages: int, elem_bytes: int, budget: int) -> int:
+    """The deepest pipeline (at most ``stages``, at least 2) whose operand tiles fit ``budget``
+    bytes of shared memory."""
+    return max(2, min(stages, budget // ((bt * bc + bc * bn) * elem_bytes)))
+
+
+@functools.cache
+def _smem_bytes(device_index: int) -> int:
+    """Shared memory a block of this GPU may use for operand tiles: its opt-in maximum less
+    32 KiB for the kernel's other buffers (the epilogue's layout conversions)."""
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return optin - 32 * 1024
 
 
 @functools.cache
@@ -369,8 +383,14 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         return out if write_out else None
     cfg = tuple(config) + (0,) * (7 - len(config)) if config else conv_config(C_in, C_out, L_out, K)
     bt, bn, bc, warps, stages, tma, flat = cfg
-    if x.dtype == torch.float32 and config is None:
-        bc, stages = fp32_tiles(bt, bn, bc, stages)
+    if config is None:
+        if x.dtype == torch.float32:
+            bc, stages = fp32_tiles(bt, bn, bc, stages)
+        if x.is_cuda and not interpret and not _has_tma(x.device.index or 0):
+            # a GPU without TMA: pointer loads, unrolled taps, and a pipeline that fits its
+            # shared memory (the table's tiles and flags were measured on an H200)
+            tma, flat = 0, 0
+            stages = fit_stages(bt, bn, bc, stages, x.element_size(), _smem_bytes(x.device.index or 0))
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn)
     x_src, w_src, x_rows = x, packed, 0
@@ -379,7 +399,8 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
 
         # x as rows of channels: batch b's sample t is row b * x_rows + t (channels-last
         # memory: one row stride, the batch stride a whole number of rows). A valid output row
-        # reads only its own batch's rows; rows past the last batch's end read as zeros.
+        # reads only its own batch's rows; the tail rows of a tile past L_out may read the next
+        # batch's (their outputs are masked), and rows past the last batch's end read as zeros.
         x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
         x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C_in], [x.stride(2), 1], [bt, bc])
         w_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn])
