@@ -42,9 +42,9 @@ INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                    "tma_fp32_k7_d9_view", "tma_bf16_k7_d3_res_whole", "tma_fp32_k1_res_whole",
                    "tma_flat_fp32_k7_d3_res_whole", "tma_fp32_k7_d3_res", "tma_golden_decode_fp32",
                    "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
-                   "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_k1_prologues",
+                   "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_fused",
                    "golden_decode_fp32_row_groups", "pre_snake_bf16", "pre_snake_fp32",
-                   "tma_pre_snake_bf16"])
+                   "tma_pre_snake_bf16", "fused_entry_bf16", "tma_fused_entry_bf16"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -129,6 +129,38 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
                                         "decoder_path": bool(used) and set(used) == {want}}}
 
 
+def _fused_entry_case() -> dict:
+    """A transposed conv's 2-tap GEMM with the bias and the Snake in its epilogue
+    (``gemm_forward_snake``) writes the bits of ``gemm_forward`` followed by the Snake kernel
+    with the bias (bf16: the bias is added after the GEMM's rounding), into a buffer after a
+    context as the decoder does."""
+    from shoal.codec.layers import CausalConvTranspose1d
+    from shoal.kernels.snake import snake
+
+    torch.manual_seed(5)
+    dt, B, ci, co, st, L, pad = torch.bfloat16, 2, 32, 16, 4, 9, 6
+    ct = CausalConvTranspose1d(ci, co, 2 * st, stride=st, weight_norm=False).to(dt)
+    with torch.no_grad():
+        ct.conv.bias.normal_()
+    ct.channels_last, ct.triton_conv = True, True
+    alpha = (torch.rand(1, co, 1) + 0.5).to(dt)
+    buf = ct.input_buffer(torch.zeros(B, ci, L, dtype=dt), L)
+    buf.copy_(torch.randn(B, ci, L + 1).to(dt))
+    # the GEMM's fp32 sums (the fp32 kernel reads the same tiles; the interpreter's bf16
+    # store truncates, the GPU's rounds to nearest even like torch's cast), then the bias
+    y32 = cc.conv1d_cl_triton(buf.float(), ct.packed_weight().float(), None, 1)
+    y = y32.transpose(1, 2).reshape(B, st * L, co).transpose(1, 2).to(dt)
+    want_h = y + ct.conv.bias[None, :, None]
+    want_s = snake(want_h, alpha)[0]
+    h = torch.empty(B, st * L, co, dtype=dt).transpose(1, 2)
+    cbuf = torch.full((B, pad + st * L, co), 7.0, dtype=dt).transpose(1, 2)
+    ct.gemm_forward_snake(buf, alpha, h, cbuf[..., pad:])
+    return {"checks": {"h_diff": ((h.float() - want_h.float()).abs().max().item(), 0.0),
+                       "s_diff": ((cbuf[..., pad:].float() - want_s.float()).abs().max().item(), 0.0)},
+            "flags": {"context_untouched": bool((cbuf[..., :pad] == 7).all()),
+                      "bias_matters": not torch.equal(h, y)}}
+
+
 def _pre_snake_case(dt: torch.dtype) -> dict:
     """A k=1 conv with ``pre_snake_alpha`` equals the Snake kernel followed by the plain conv,
     bit for bit (residual and epilogue Snake included), on a view after a context."""
@@ -208,8 +240,10 @@ def _interp_case(name: str) -> dict:
         return _golden_decode_case(snake_epilogue=False)
     if name == "golden_decode_fp32_k1_epilogues":
         return _golden_decode_case(snake_epilogue="k1")
-    if name == "golden_decode_fp32_k1_prologues":
-        return _golden_decode_case(snake_epilogue="k1pre")
+    if name == "golden_decode_fp32_fused":
+        return _golden_decode_case(snake_epilogue="fused")
+    if name == "fused_entry_bf16":
+        return _fused_entry_case()
     if name == "pre_snake_bf16":
         return _pre_snake_case(torch.bfloat16)
     if name == "pre_snake_fp32":
@@ -399,7 +433,7 @@ def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
 # the epilogue variant (off by default) in fp32 only: each case compiles ~20 kernel variants
 @pytest.mark.parametrize("dtype,snake_epilogue", [(torch.float32, False), (torch.bfloat16, False),
                                                   (torch.float32, True), (torch.float32, "k1"),
-                                                  (torch.float32, "k1pre")])
+                                                  (torch.float32, "fused")])
 def test_gpu_triton_decoder_matches_cudnn_decoder(dtype, snake_epilogue):
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
 
@@ -434,13 +468,13 @@ def test_snake_epilogue_modes_parse(monkeypatch):
 
     codec = build_codec(True, torch.device("cpu"))
     for given, stored in ((True, True), ("all", True), ("k1", "k1"), ("K1", "k1"), ("none", False), (False, False),
-                          (1, True), (0, False), ("k1pre", "k1pre"), ("K1PRE", "k1pre")):
+                          (1, True), (0, False), ("fused", "fused"), ("FUSED", "fused")):
         codec.configure_serving(snake_epilogue=given)
         assert codec.decoder.snake_epilogue == stored
     with pytest.raises(ValueError, match="snake_epilogue"):
         codec.configure_serving(snake_epilogue="k7")
     for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "k1"),
-                      ("k1pre", "k1pre")):
+                      ("fused", "fused")):
         monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", env)
         assert snake_epilogue_mode() == mode
     monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", "kl")
@@ -462,7 +496,7 @@ def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
     codes = random_codes(3, 24, "cuda", seed=4)
     outs = {}
     try:
-        for mode in (False, "k1", True, "k1pre"):
+        for mode in (False, "k1", True, "fused"):
             codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode)
             dec = StreamingDecoder(codec)
             st = dec.new_state(3)
@@ -470,7 +504,7 @@ def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
             outs[mode] = (codec.decode(codes), torch.cat(parts, -1))
     finally:
         codec.configure_serving(channels_last=False, triton_conv=False, snake_epilogue=False)
-    for mode in ("k1", True, "k1pre"):
+    for mode in ("k1", True, "fused"):
         assert torch.equal(outs[mode][0], outs[False][0]), mode
         assert torch.equal(outs[mode][1], outs[False][1]), mode
 

@@ -493,6 +493,34 @@ class CausalConvTranspose1d(StreamingModule):
         y = conv1d_cl_triton(buf, self.packed_weight(), None, 1)  # [B, s*C_out, L], memory [B, L, s*C_out]
         return y.transpose(1, 2).reshape(B, L * self.stride, self.conv.out_channels).transpose(1, 2)
 
+    def gemm_forward_snake(self, buf: Tensor, alpha: Tensor, h: Tensor, s: Tensor) -> None:
+        """:meth:`gemm_forward` with the bias and the Snake that follows in the GEMM's
+        epilogue: ``h = round(round(conv) + bias)`` into ``h`` and ``Snake_alpha(h)`` into ``s``
+        (both ``[B, C_out, stride * L]`` in channels-last memory, e.g. ``s`` the next conv's
+        buffer after its context), the bits of :meth:`gemm_forward` followed by the Snake
+        kernel with ``bias`` -- without the bias-free output ever being stored."""
+        B, L = buf.shape[0], buf.shape[-1] - 1
+        st, C = self.stride, self.conv.out_channels
+
+        def as_gemm(t: Tensor) -> Tensor:  # [B, C, st*L] -> [B, st*C, L], same memory
+            return t.transpose(1, 2).view(B, L, st * C).transpose(1, 2)
+
+        bias = self.conv.bias
+        conv1d_cl_triton(buf, self.packed_weight(), None if bias is None else self._tiled(bias), 1,
+                         out=as_gemm(h), snake_alpha=self._tiled(alpha), snake_out=as_gemm(s),
+                         bias_after_rounding=True)
+
+    def _tiled(self, v: Tensor) -> Tensor:
+        """A per-output-channel vector repeated for the ``stride`` output samples of each GEMM
+        row (column ``r * C_out + n`` is channel ``n``); cached until ``v`` changes."""
+        cache = self.__dict__.setdefault("_tiled_cache", {})
+        key = (v.data_ptr(), v._version, v.dtype, v.device)
+        hit = cache.get(id(v))
+        if hit is None or hit[0] != key:
+            hit = (key, v.detach().reshape(-1).repeat(self.stride).contiguous())
+            cache[id(v)] = hit
+        return hit[1]
+
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if state is None:
             y = F.conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)

@@ -91,8 +91,9 @@ class Decoder(StreamingModule):
         # Triton convs: Snakes in the conv epilogues (_forward_triton) rather than separate
         # kernels: False (none), "all", "k1" (only the k=1 convs' residual + Snake epilogues;
         # the dilated k=7 convs write their output and the separate Snake kernel follows), or
-        # "k1pre" (as "k1", but each k=1 conv applies the k=7 output's Snake to its input tiles
-        # as it loads them: no separate Snake kernel, no Snake'd copy written)
+        # "fused" (as "k1", but each k=1 conv applies the k=7 output's Snake to its input tiles
+        # as it loads them, and each block's transposed-conv GEMM adds its bias and the first
+        # Snake in its epilogue: no separate Snake kernels, no Snake'd copies written)
         self.snake_epilogue: bool | str = False
         # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
         # run over groups of streams holding at most N decoder-input positions (streams x 4 x
@@ -142,9 +143,10 @@ class Decoder(StreamingModule):
     def triton_conv(self) -> bool:
         return bool(self.model[0].triton_conv)
 
-    def _act(self, x: Tensor) -> Tensor:
-        """Uninitialized tensor shaped like x in the decoder's activation layout."""
-        B, C, L = x.shape
+    def _act(self, x: Tensor, shape: tuple[int, int, int] | None = None) -> Tensor:
+        """Uninitialized tensor shaped like x (or ``shape``, on x's device and dtype) in the
+        decoder's activation layout."""
+        B, C, L = shape or x.shape
         if self.channels_last:
             return torch.empty(B, L, C, device=x.device, dtype=x.dtype).transpose(1, 2)
         return torch.empty(B, C, L, device=x.device, dtype=x.dtype)
@@ -197,18 +199,26 @@ class Decoder(StreamingModule):
             # so the CUDA-graph pool that records it, is what the next kernel needs, not every
             # tensor a local name still holds
             ct.save_context(buf, state)
-            y = ct.gemm_forward(buf)
-            del buf
             c7 = units[0][1]
-            cbuf = c7._buffer(y, c7.padding + y.shape[-1])
-            c7._with_context(cbuf, state)
-            h = self._act(y)
-            snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
-            del y
+            if self.snake_epilogue == "fused":  # bias and Snake in the GEMM's epilogue
+                n = (buf.shape[-1] - 1) * ct.stride
+                h = self._act(buf, (buf.shape[0], ct.conv.out_channels, n))
+                cbuf = c7._buffer(h, c7.padding + n)
+                c7._with_context(cbuf, state)
+                ct.gemm_forward_snake(buf, units[0][0].alpha, h, cbuf[..., c7.padding:])
+                del buf
+            else:
+                y = ct.gemm_forward(buf)
+                del buf
+                cbuf = c7._buffer(y, c7.padding + y.shape[-1])
+                c7._with_context(cbuf, state)
+                h = self._act(y)
+                snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
+                del y
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
                 pre_alpha = None
-                if self.snake_epilogue == "k1pre":  # the k1 conv Snakes its input tiles itself
+                if self.snake_epilogue == "fused":  # the k1 conv Snakes its input tiles itself
                     s2 = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
                     pre_alpha = snake2.alpha
                 elif self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
@@ -576,7 +586,9 @@ class Codec(nn.Module):
         Snake computed in the epilogue of the conv before it instead of by the separate fused
         Snake kernel (``Decoder._forward_triton``; same numbers); ``"k1"``: only the k=1 convs'
         (residual add, new residual stream and the next Snake in one epilogue), the k=7 convs'
-        Snakes stay separate kernels. ``group_positions``: the decoder's blocks after the first
+        Snakes stay separate kernels; ``"fused"``: ``"k1"`` with each k=7 conv's Snake applied by
+        the k=1 conv to its input tiles and each block's bias + first Snake in the transposed
+        conv's GEMM epilogue (no separate Snake kernels). ``group_positions``: the decoder's blocks after the first
         run over groups of streams of at most this many input positions (streams x 4 x frames;
         ``None``: no groups; left unchanged when not given): the same numbers, a bounded
         activation peak (see ``Decoder.row_groups``); ``group_head_blocks``: how many decoder
@@ -605,8 +617,8 @@ class Codec(nn.Module):
         if snake_epilogue is not None:
             if isinstance(snake_epilogue, str):
                 key = snake_epilogue.strip().lower()
-                if key not in ("k1", "k1pre", "all", "none"):
-                    raise ValueError("snake_epilogue must be a bool, 'all', 'k1', 'k1pre' or 'none', "
+                if key not in ("k1", "fused", "all", "none"):
+                    raise ValueError("snake_epilogue must be a bool, 'all', 'k1', 'fused' or 'none', "
                                      f"got {snake_epilogue!r}")
                 self.decoder.snake_epilogue = {"all": True, "none": False}.get(key, key)
             else:

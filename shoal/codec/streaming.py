@@ -439,20 +439,21 @@ class GraphedStreamingDecoder(StreamingDecoder):
 def snake_epilogue_mode() -> bool | str:
     """The serving decoder's Snake placement, ``SHOAL_CODEC_CONV_EPILOGUE``: ``k1`` (default)
     the k=1 convs' residual + Snake epilogues with the k=7 convs' Snakes as separate kernels,
-    ``0`` separate Snake kernels only, ``1`` every Snake in a conv epilogue, ``k1pre`` the k=1
-    epilogues with each k=7 conv's Snake applied by the k=1 conv to the tiles it loads (see
+    ``0`` separate Snake kernels only, ``1`` every Snake in a conv epilogue, ``fused`` the k=1
+    epilogues, each k=7 conv's Snake applied by the k=1 conv to the tiles it loads, and each
+    block's bias + first Snake in its transposed-conv GEMM's epilogue (see
     ``Codec.configure_serving``; all three give the same bits). ``k1`` was the fastest or tied
     at every measured call size on an H200 (docs/benchmarks.md, 2026-12-02)."""
     v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "k1").strip().lower()
     if v in ("k1", ""):
         return "k1"
-    if v == "k1pre":  # the k=7 convs' Snakes applied by the k=1 convs as they load (opt-in)
-        return "k1pre"
+    if v == "fused":  # k1 plus the Snakes in the k=1 prologues and the GEMM epilogues (opt-in)
+        return "fused"
     if v in ("1", "true", "yes", "on", "all"):
         return True
     if v in ("0", "false", "no", "off", "none"):
         return False
-    raise ValueError(f"SHOAL_CODEC_CONV_EPILOGUE must be k1, k1pre, 1 (all) or 0 (none), got {v!r}")
+    raise ValueError(f"SHOAL_CODEC_CONV_EPILOGUE must be k1, fused, 1 (all) or 0 (none), got {v!r}")
 
 
 def group_positions_default() -> int | None:

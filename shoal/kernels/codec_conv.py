@@ -165,6 +165,7 @@ if HAS_TRITON:
         K: tl.constexpr,
         DIL: tl.constexpr,
         HAS_B: tl.constexpr,
+        BIAS_LATE: tl.constexpr,
         HAS_R: tl.constexpr,
         WRITE_O: tl.constexpr,
         SNAKE: tl.constexpr,
@@ -238,7 +239,11 @@ if HAS_TRITON:
                                 mask=cm[:, None] & nm[None, :], other=0.0)
                     acc = _mma(a, w, acc, IEEE, UPCAST)
         if HAS_B:
-            acc = acc + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+            bias = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+            if BIAS_LATE:  # round(round(conv) + bias): the bias added by a separate pass
+                acc = _round(_round(acc, DT) + bias, DT)
+            else:
+                acc = acc + bias
         m = tm[:, None] & nm[None, :]
         n64 = n[None, :].to(tl.int64)
         if HAS_R:
@@ -330,6 +335,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
                      residual: Tensor | None = None, out: Tensor | None = None,
                      snake_alpha: Tensor | None = None, snake_out: Tensor | None = None,
                      write_out: bool = True, pre_snake_alpha: Tensor | None = None,
+                     bias_after_rounding: bool = False,
                      config: tuple[int, ...] | None = None) -> Tensor | None:
     """Kernel version of :func:`conv1d_cl_ref` with the weight packed by :func:`pack_conv_weight`.
 
@@ -345,7 +351,11 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     ``pre_snake_alpha`` (``[C_in]``): convolve ``Snake_alpha(x)`` instead of ``x``, each
     loaded input tile passed through the Snake (rounded as the separate kernel rounds it) on
     its way to the MMA, so that a Snake'd input is never written out. Meant for k=1 convs,
-    which read each input sample once per output tile; a k=7 conv would evaluate it 7 times."""
+    which read each input sample once per output tile; a k=7 conv would evaluate it 7 times.
+
+    ``bias_after_rounding``: the result is ``round(round(conv) + bias)``, as when the conv runs
+    without bias and a separate kernel adds it (the transposed convs' 2-tap GEMMs, whose bias
+    the following Snake kernel used to add); the default adds it to the fp32 accumulator."""
     interpret = _require_kernel(x)
     _check_dtype("x", x)
     if x.dim() != 3 or packed.dim() != 3:
@@ -419,7 +429,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         L_out, C_in, C_out, n_tb, n_nb, x_rows,
         *x.stride(), *r.stride(), *out.stride(), *so.stride(),
         K=K, DIL=dilation,
-        HAS_B=bias is not None, HAS_R=residual is not None,
+        HAS_B=bias is not None, BIAS_LATE=bias_after_rounding, HAS_R=residual is not None,
         WRITE_O=write_out, SNAKE=snake_alpha is not None, PRE_SNAKE=pre_snake_alpha is not None,
         # the Snakes' sine (see snake.sin_mode); a constant without one, so that the sine
         # setting compiles no extra plain-conv variants
