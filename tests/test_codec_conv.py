@@ -44,7 +44,7 @@ INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                    "golden_decode_fp32", "golden_decode_fp32_separate_snakes",
                    "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_fused",
                    "golden_decode_fp32_row_groups", "pre_snake_bf16", "pre_snake_fp32",
-                   "tma_pre_snake_bf16", "fused_entry_bf16", "tma_fused_entry_bf16"])
+                   "tma_pre_snake_bf16", "fused_entry_bf16", "tma_fused_entry_bf16", "fused_vs_k1_fp16"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -113,20 +113,36 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
     for name in ("_forward_triton", "_forward_fused"):
         real = getattr(dec_mod, name)
         setattr(dec_mod, name, (lambda real, name: lambda *a: (used.append(name), real(*a))[1])(real, name))
-    out = codec.decode(codes)
-    dec = StreamingDecoder(codec)
-    st = dec.new_state(1)
-    outs, i = [], 0
-    for t in (3, 1, 4):
-        outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
-        i += t
+    from shoal.codec import layers as codec_layers
+    from shoal.codec import model as codec_model
+
+    entries, prologues = [], []
+    real_entry, real_conv = codec_layers.CausalConvTranspose1d.gemm_forward_snake, codec_model.conv1d_cl_triton
+    codec_layers.CausalConvTranspose1d.gemm_forward_snake = lambda self, *a: (entries.append(1), real_entry(self, *a))[1]
+    codec_model.conv1d_cl_triton = lambda *a, **k: (prologues.append(k.get("pre_snake_alpha") is not None),
+                                                    real_conv(*a, **k))[1]
+    try:
+        out = codec.decode(codes)
+        dec = StreamingDecoder(codec)
+        st = dec.new_state(1)
+        outs, i = [], 0
+        for t in (3, 1, 4):
+            outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
+            i += t
+    finally:
+        codec_layers.CausalConvTranspose1d.gemm_forward_snake = real_entry
+        codec_model.conv1d_cl_triton = real_conv
     streamed = torch.cat(outs, -1)
+    fused = snake_epilogue == "fused"
     checks = {"oneshot_vs_golden": ((out.flatten() - wave[: out.numel()]).abs().max().item(), 1e-5),
               "oneshot_vs_ref": ((out - ref).abs().max().item(), 1e-5),
               "stream_vs_ref": ((streamed - ref[..., : streamed.shape[-1]]).abs().max().item(), 1e-4)}
     want = "_forward_triton" if snake_epilogue else "_forward_fused"
     return {"checks": checks, "flags": {"used_kernel": _kernel_used(codec),
-                                        "decoder_path": bool(used) and set(used) == {want}}}
+                                        "decoder_path": bool(used) and set(used) == {want},
+                                        # the fused mode's two fusions ran (and only in it)
+                                        "fused_entries": bool(entries) == fused,
+                                        "fused_prologues": any(prologues) == fused}}
 
 
 def _fused_entry_case() -> dict:
@@ -161,13 +177,34 @@ def _fused_entry_case() -> dict:
                       "bias_matters": not torch.equal(h, y)}}
 
 
-def _pre_snake_case(dt: torch.dtype) -> dict:
+def _fused_vs_k1_case() -> dict:
+    """The whole tiny decoder in fp16 (whose interpreter casts round to nearest even, as the
+    GPU's do): the fused Snake mode gives the bits of the default k1 mode, one-shot and
+    streamed in row groups."""
+    from shoal.bench.codec import build_codec, random_codes
+    from shoal.codec import StreamingDecoder
+
+    codec = build_codec(True, torch.device("cpu")).to(torch.float16)
+    codes = random_codes(2, 3, "cpu", seed=9)
+    outs = {}
+    for mode in ("k1", "fused"):
+        # groups of 4 positions: each chunk's 2 streams run as 2 groups
+        codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode, group_positions=4)
+        dec = StreamingDecoder(codec)
+        st = dec.new_state(2)
+        outs[mode] = torch.cat([dec.decode_chunk(codes[:, :, i:i + t], st) for i, t in ((0, 1), (1, 2))], -1)
+    diff = (outs["fused"].float() - outs["k1"].float()).abs().max().item()
+    return {"checks": {"streamed_diff": (diff, 0.0)},
+            "flags": {"finite": bool(torch.isfinite(outs["fused"]).all())}}
+
+
+def _pre_snake_case(dt: torch.dtype, ci: int = 40) -> dict:
     """A k=1 conv with ``pre_snake_alpha`` equals the Snake kernel followed by the plain conv,
     bit for bit (residual and epilogue Snake included), on a view after a context."""
     from shoal.kernels.snake import snake
 
     g = torch.Generator().manual_seed(11)
-    B, ci, co, L = 2, 32, 48, 37
+    B, co, L = 2, 48, 37  # 40 input channels: a partly masked channel slice; 32: whole (TMA)
     x = torch.randn(B, L + 3, ci, generator=g).to(dt)[:, 3:].transpose(1, 2)
     w = (torch.randn(co, ci, 1, generator=g) / ci ** 0.5).to(dt)
     b = torch.randn(co, generator=g).to(dt)
@@ -245,7 +282,9 @@ def _interp_case(name: str) -> dict:
     if name == "fused_entry_bf16":
         return _fused_entry_case()
     if name == "pre_snake_bf16":
-        return _pre_snake_case(torch.bfloat16)
+        return _pre_snake_case(torch.bfloat16, 32 if os.environ.get("SHOAL_CODEC_CONV_TMA") == "1" else 40)
+    if name == "fused_vs_k1_fp16":
+        return _fused_vs_k1_case()
     if name == "pre_snake_fp32":
         return _pre_snake_case(torch.float32)
     if name == "golden_decode_fp32_row_groups":
@@ -485,7 +524,76 @@ def test_snake_epilogue_modes_parse(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_graphed_fused_decoder_equals_eager_k1(dtype):
+    """The fused Snake mode through CUDA graphs (warm-up, capture, replay, the tiled bias and
+    alpha built ahead) writes the bits of the eager default mode, in row groups too."""
+    from shoal.bench.codec import build_codec, random_codes
+    from shoal.codec import StreamingDecoder
+    from shoal.codec.streaming import GraphedStreamingDecoder, pack_conv_weights
+
+    codec = build_codec(True, torch.device("cuda")).to(dtype)
+    codes = random_codes(3, 16, "cuda", seed=6)
+    chunks = ((0, 4), (4, 4), (8, 8))
+    try:
+        codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue="k1", group_positions=16)
+        eager = StreamingDecoder(codec)
+        st = eager.new_state(3)
+        ref = torch.cat([eager.decode_chunk(codes[:, :, i:i + t], st) for i, t in chunks], -1)
+        codec.configure_serving(snake_epilogue="fused")
+        pack_conv_weights(codec)
+        graphed = GraphedStreamingDecoder(codec, chunk_frames=(4, 8), max_batch=4)
+        st = graphed.new_state(3)
+        out = torch.cat([graphed.decode_chunk(codes[:, :, i:i + t], st) for i, t in chunks], -1)
+    finally:
+        codec.configure_serving(channels_last=False, triton_conv=False, snake_epilogue=False, group_positions=None)
+    assert graphed.stats.replays == len(chunks) and graphed.stats.eager == 0
+    assert torch.equal(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("ci,tma", [(96, 1), (96, 0), (192, 1), (40, 0)])
+def test_gpu_pre_snake_and_fused_entry_kernels(dtype, ci, tma):
+    """The fused mode's two kernel features at real channel counts, descriptor loads on and
+    off: a k=1 conv with ``pre_snake_alpha`` equals the Snake kernel then the conv, and a
+    transposed conv's GEMM with its bias and Snake in the epilogue equals ``gemm_forward``
+    then the Snake kernel with the bias (so a mismatch in the decoder test is traced here)."""
+    from shoal.codec.layers import CausalConvTranspose1d
+    from shoal.kernels.snake import snake
+
+    g = torch.Generator().manual_seed(ci)
+    dev = "cuda"
+    B, L, co = 8, 3000, ci
+    x = torch.randn(B, L + 6, ci, generator=g).to(dtype).to(dev)[:, 6:].transpose(1, 2)
+    w = (torch.randn(co, ci, 1, generator=g) / ci ** 0.5).to(dtype).to(dev)
+    b = torch.randn(co, generator=g).to(dtype).to(dev)
+    alpha = (torch.rand(ci, generator=g) + 0.5).to(dtype).to(dev)
+    r = torch.randn(B, co, L, generator=g).to(dtype).to(dev)
+    packed = cc.pack_conv_weight(w)
+    cfg = tuple(cc.conv_config(ci, co, L, 1)[:5]) + (tma, 0)
+    want = cc.conv1d_cl_triton(snake(x, alpha)[0], packed, b, 1, residual=r, config=cfg)
+    got = cc.conv1d_cl_triton(x, packed, b, 1, residual=r, pre_snake_alpha=alpha, config=cfg)
+    assert torch.equal(got, want)
+
+    st, cout = 2, ci // 2
+    ct = CausalConvTranspose1d(ci, cout, 2 * st, stride=st, weight_norm=False).to(dev, dtype)
+    with torch.no_grad():
+        ct.conv.bias.normal_()
+    ct.channels_last, ct.triton_conv = True, True
+    a2 = (torch.rand(1, cout, 1, generator=g) + 0.5).to(dtype).to(dev)
+    buf = ct.input_buffer(x, L)
+    buf.copy_(torch.randn(B, ci, L + 1, generator=g).to(dtype).to(dev))
+    want_s, want_h = snake(ct.gemm_forward(buf), a2, None, ct.conv.bias, write_h=True)
+    h = torch.empty(B, st * L, cout, device=dev, dtype=dtype).transpose(1, 2)
+    cbuf = torch.empty(B, 6 + st * L, cout, device=dev, dtype=dtype).transpose(1, 2)
+    ct.gemm_forward_snake(buf, a2, h, cbuf[..., 6:])
+    assert torch.equal(h, want_h)
+    assert torch.equal(cbuf[..., 6:], want_s)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
     """Separate Snake kernels, every Snake in a conv epilogue, and the k1-only epilogues round
     alike: the same waveform bits one-shot and streamed (random tiny codec, no golden files)."""
@@ -496,15 +604,16 @@ def test_gpu_snake_epilogue_modes_are_bit_identical(dtype):
     codes = random_codes(3, 24, "cuda", seed=4)
     outs = {}
     try:
-        for mode in (False, "k1", True, "fused"):
-            codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode)
+        for mode in (False, "k1", True, "fused", ("fused", 8)):
+            m, groups = mode if isinstance(mode, tuple) else (mode, None)
+            codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=m, group_positions=groups)
             dec = StreamingDecoder(codec)
             st = dec.new_state(3)
             parts = [dec.decode_chunk(codes[:, :, i:i + t], st) for i, t in ((0, 4), (4, 12), (16, 8))]
             outs[mode] = (codec.decode(codes), torch.cat(parts, -1))
     finally:
-        codec.configure_serving(channels_last=False, triton_conv=False, snake_epilogue=False)
-    for mode in ("k1", True, "fused"):
+        codec.configure_serving(channels_last=False, triton_conv=False, snake_epilogue=False, group_positions=None)
+    for mode in ("k1", True, "fused", ("fused", 8)):
         assert torch.equal(outs[mode][0], outs[False][0]), mode
         assert torch.equal(outs[mode][1], outs[False][1]), mode
 

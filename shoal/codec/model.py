@@ -93,7 +93,8 @@ class Decoder(StreamingModule):
         # the dilated k=7 convs write their output and the separate Snake kernel follows), or
         # "fused" (as "k1", but each k=1 conv applies the k=7 output's Snake to its input tiles
         # as it loads them, and each block's transposed-conv GEMM adds its bias and the first
-        # Snake in its epilogue: no separate Snake kernels, no Snake'd copies written)
+        # Snake in its epilogue: no separate Snake kernels inside the blocks, no Snake'd copies
+        # written; the Snake before the first block stays a kernel)
         self.snake_epilogue: bool | str = False
         # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
         # run over groups of streams holding at most N decoder-input positions (streams x 4 x
@@ -588,7 +589,7 @@ class Codec(nn.Module):
         (residual add, new residual stream and the next Snake in one epilogue), the k=7 convs'
         Snakes stay separate kernels; ``"fused"``: ``"k1"`` with each k=7 conv's Snake applied by
         the k=1 conv to its input tiles and each block's bias + first Snake in the transposed
-        conv's GEMM epilogue (no separate Snake kernels). ``group_positions``: the decoder's blocks after the first
+        conv's GEMM epilogue (no separate Snake kernels inside the blocks). ``group_positions``: the decoder's blocks after the first
         run over groups of streams of at most this many input positions (streams x 4 x frames;
         ``None``: no groups; left unchanged when not given): the same numbers, a bounded
         activation peak (see ``Decoder.row_groups``); ``group_head_blocks``: how many decoder

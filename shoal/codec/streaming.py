@@ -442,7 +442,7 @@ def snake_epilogue_mode() -> bool | str:
     ``0`` separate Snake kernels only, ``1`` every Snake in a conv epilogue, ``fused`` the k=1
     epilogues, each k=7 conv's Snake applied by the k=1 conv to the tiles it loads, and each
     block's bias + first Snake in its transposed-conv GEMM's epilogue (see
-    ``Codec.configure_serving``; all three give the same bits). ``k1`` was the fastest or tied
+    ``Codec.configure_serving``; all four give the same bits). ``k1`` was the fastest or tied
     at every measured call size on an H200 (docs/benchmarks.md, 2026-12-02)."""
     v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "k1").strip().lower()
     if v in ("k1", ""):
@@ -498,6 +498,14 @@ def pack_conv_weights(codec: Codec) -> int:
         else:
             continue  # not run as the Triton kernel
         n += w.numel() * w.element_size()
+    # the fused Snake mode's per-column bias and Snake alpha of each block's GEMM (tiny, but
+    # built here too rather than inside the first call)
+    for blk in list(codec.decoder.model)[1:-3]:
+        ct, units = blk.block[1], list(blk.block)[2:]
+        if isinstance(ct, CausalConvTranspose1d) and ct.as_gemm and units:
+            if ct.conv.bias is not None:
+                ct._tiled(ct.conv.bias)
+            ct._tiled(units[0].block[0].alpha)
     return n
 
 
@@ -542,8 +550,8 @@ def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> Strea
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
     On CUDA a bf16 / fp16 codec's convolutions run as the Triton implicit-GEMM kernels
     (:mod:`shoal.kernels.codec_conv`, channels-last, the k=1 convs' Snakes in their epilogues,
-    the rest in the separate fused Snake kernel; ``SHOAL_CODEC_CONV_EPILOGUE=0|1`` for none / all
-    in epilogues);
+    the rest in the separate fused Snake kernel; ``SHOAL_CODEC_CONV_EPILOGUE=0|1|fused`` for
+    none / all in epilogues / the opt-in fused Snakes, see :func:`snake_epilogue_mode`);
     ``SHOAL_CODEC_TRITON_CONV=1`` forces them for fp32 too, ``=0`` gives cuDNN, with
     ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
     configure_serving_layout(codec)
