@@ -29,6 +29,7 @@ Launches depend only on shapes, so they can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -38,6 +39,8 @@ from torch import Tensor
 from .fused import _DT_CODE, _check_dtype, _next_pow2, _require_kernel
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 from .snake import sin_mode
+
+log = logging.getLogger(__name__)
 
 __all__ = ["conv1d_cl_ref", "conv1d_cl_triton", "pack_conv_weight", "conv_config",
            "codec_conv_enabled"]
@@ -313,7 +316,13 @@ def _smem_bytes(device_index: int) -> int:
 def _has_tma(device_index: int) -> bool:
     """Whether a CUDA device has the tensor-memory accelerator (sm_90 and later); the
     configs' TMA flag was measured there, older GPUs keep pointer loads."""
+    if getattr(torch.version, "hip", None):  # ROCm reports its own architecture numbers
+        return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+# descriptor-load variants that failed to build or launch in this process: pointer loads instead
+_TMA_FAILED: set[tuple] = set()
 
 
 def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
@@ -396,10 +405,12 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     if config is None:
         if x.dtype == torch.float32:
             bc, stages = fp32_tiles(bt, bn, bc, stages)
-        if x.is_cuda and not interpret and not _has_tma(x.device.index or 0):
-            # a GPU without TMA: pointer loads, unrolled taps, and a pipeline that fits its
-            # shared memory (the table's tiles and flags were measured on an H200)
-            tma, flat = 0, 0
+        if x.is_cuda and not interpret:
+            # the table was measured on an H200: a GPU without TMA gets pointer loads and
+            # unrolled taps, and every GPU a pipeline that fits its shared memory (the H200's
+            # configs fit its own, so they run unchanged there)
+            if not _has_tma(x.device.index or 0):
+                tma, flat = 0, 0
             stages = fit_stages(bt, bn, bc, stages, x.element_size(), _smem_bytes(x.device.index or 0))
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn)
@@ -422,12 +433,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         opts["num_stages"] = stages
         opts["enable_fp_fusion"] = False  # the Snake epilogue rounds like PyTorch (no FMA)
     so = snake_out if snake_alpha is not None else out
-    _kernel()[(B * n_tb * n_nb,)](
-        x_src, w_src, bias if bias is not None else packed, r, out,
-        snake_alpha if snake_alpha is not None else packed, so,
-        pre_snake_alpha if pre_snake_alpha is not None else packed,
-        L_out, C_in, C_out, n_tb, n_nb, x_rows,
-        *x.stride(), *r.stride(), *out.stride(), *so.stride(),
+    consts = dict(
         K=K, DIL=dilation,
         HAS_B=bias is not None, BIAS_LATE=bias_after_rounding, HAS_R=residual is not None,
         WRITE_O=write_out, SNAKE=snake_alpha is not None, PRE_SNAKE=pre_snake_alpha is not None,
@@ -441,7 +447,28 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
         UPCAST=interpret and x.dtype != torch.float32,
         FLAT=bool(flat),
-        TMA=bool(tma),
         **opts,
     )
+
+    def launch(x_src, w_src, x_rows: int, use_tma: bool) -> None:
+        _kernel()[(B * n_tb * n_nb,)](
+            x_src, w_src, bias if bias is not None else packed, r, out,
+            snake_alpha if snake_alpha is not None else packed, so,
+            pre_snake_alpha if pre_snake_alpha is not None else packed,
+            L_out, C_in, C_out, n_tb, n_nb, x_rows,
+            *x.stride(), *r.stride(), *out.stride(), *so.stride(),
+            TMA=use_tma, **consts,
+        )
+
+    variant = (x.device.type, x.dtype, stages) + tuple(sorted((k, v) for k, v in consts.items()))
+    if not tma or variant in _TMA_FAILED:
+        launch(x, packed, 0, False)
+        return out if write_out else None
+    try:
+        launch(x_src, w_src, x_rows, True)
+    except Exception as e:  # noqa: BLE001 - a descriptor variant this GPU / Triton cannot build
+        _TMA_FAILED.add(variant)
+        log.warning("codec conv: descriptor loads failed for a %d-tap %s conv (%s: %s); it runs on "
+                    "pointer loads", K, x.dtype, type(e).__name__, str(e)[:200])
+        launch(x, packed, 0, False)
     return out if write_out else None
