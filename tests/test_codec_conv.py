@@ -45,7 +45,7 @@ INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                    "golden_decode_fp32_k1_epilogues", "golden_decode_fp32_fused",
                    "golden_decode_fp32_row_groups", "pre_snake_bf16", "pre_snake_fp32",
                    "tma_pre_snake_bf16", "fused_entry_bf16", "tma_fused_entry_bf16", "fused_vs_k1_fp16",
-                   "tma_failure_falls_back"])
+                   "tma_failure_falls_back", "split_fp32", "split_bf16"])
 
 
 def conv_inputs(name: str, dt: torch.dtype):
@@ -238,6 +238,43 @@ def _fused_vs_k1_case() -> dict:
             "flags": {"finite": bool(torch.isfinite(outs["fused"]).all())}}
 
 
+def _split_case(dt: torch.dtype) -> dict:
+    """Two output-channel tiles per program (``BN2``): the bits of the one-tile config, with
+    every epilogue (bias, residual, Snake) and the input Snake, on pointer and descriptor
+    loads, unrolled and flat; 48 = 32 + 16 channels (whole programs) and 40 (the second tile
+    partly masked)."""
+    from shoal.kernels.snake import snake
+
+    g = torch.Generator().manual_seed(13)
+    checks, flags = {}, {}
+    for co, k, d in ((48, 7, 3), (40, 3, 1), (48, 1, 1)):
+        B, ci, L = 2, 32, 29
+        L_in = L + (k - 1) * d
+        x = torch.randn(B, L_in + 3, ci, generator=g).to(dt)[:, 3:].transpose(1, 2)
+        w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(dt)
+        b = torch.randn(co, generator=g).to(dt)
+        r = torch.randn(B, co, L, generator=g).to(dt)
+        alpha = (torch.rand(co, generator=g) + 0.5).to(dt)
+        pre = (torch.rand(ci, generator=g) + 0.5).to(dt) if k == 1 else None
+        packed = cc.pack_conv_weight(w)
+        one_s = torch.empty(B, L, co, dtype=dt).transpose(1, 2)
+        one = cc.conv1d_cl_triton(x, packed, b, d, residual=r, snake_alpha=alpha, snake_out=one_s,
+                                  pre_snake_alpha=pre, config=(16, 64, 16, 4, 2, 0, 0))
+        xin = x if pre is None else snake(x, pre)[0]
+        ref = r.float() + F.conv1d(xin.float(), w.float(), b.float(), 1, 0, d)
+        tol = 1e-5 if dt == torch.float32 else 4 * torch.finfo(dt).eps * ref.abs().max().item()
+        checks[f"one_tile_vs_ref_{co}_k{k}"] = ((one.float() - ref).abs().max().item(), tol)
+        for tma, flat in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            got_s = torch.full_like(one_s, float("nan"))
+            got = cc.conv1d_cl_triton(x, packed, b, d, residual=r, snake_alpha=alpha, snake_out=got_s,
+                                      pre_snake_alpha=pre, config=(16, 32, 16, 4, 2, tma, flat, 16))
+            key = f"{co}_k{k}_tma{tma}_flat{flat}"
+            checks[f"out_{key}"] = ((got.float() - one.float()).abs().max().item(), 0.0)
+            checks[f"snake_{key}"] = ((got_s.float() - one_s.float()).abs().max().item(), 0.0)
+            flags[f"all_written_{key}"] = bool(torch.isfinite(got_s).all())
+    return {"checks": checks, "flags": flags}
+
+
 def _pre_snake_case(dt: torch.dtype, ci: int = 40) -> dict:
     """A k=1 conv with ``pre_snake_alpha`` equals the Snake kernel followed by the plain conv,
     bit for bit (residual and epilogue Snake included), on a view after a context."""
@@ -329,6 +366,8 @@ def _interp_case(name: str) -> dict:
         return _fused_vs_k1_case()
     if name == "pre_snake_fp32":
         return _pre_snake_case(torch.float32)
+    if name in ("split_fp32", "split_bf16"):
+        return _split_case(torch.float32 if name == "split_fp32" else torch.bfloat16)
     if name == "golden_decode_fp32_row_groups":
         return _row_groups_case()
     if name.startswith("tma_"):  # operands read through tensor descriptors
@@ -439,9 +478,14 @@ def test_fp32_tiles_fit_shared_memory():
 
 def test_config_env_override(monkeypatch):
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2")
-    assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2, 0, 0)
+    assert cc.conv_config(96, 96, 1000) == (64, 32, 16, 4, 2, 0, 0, 0)
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16,4,2,1,1")
-    assert cc.conv_config(96, 96, 1000, 7) == (64, 32, 16, 4, 2, 1, 1)
+    assert cc.conv_config(96, 96, 1000, 7) == (64, 32, 16, 4, 2, 1, 1, 0)
+    monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,64,16,4,2,1,1,32")
+    assert cc.conv_config(96, 96, 1000, 7) == (64, 64, 16, 4, 2, 1, 1, 32)
+    monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,64,16,4,2,1,1,24")  # BN2 must be a power of two
+    with pytest.raises(ValueError, match="BN2"):
+        cc.conv_config(96, 96, 1000, 7)
     monkeypatch.setenv("SHOAL_CODEC_CONV_CFG", "64,32,16")
     with pytest.raises(ValueError, match="BT,BN,BC"):
         cc.conv_config(96, 96, 1000)
@@ -451,7 +495,9 @@ def test_config_env_override(monkeypatch):
     assert cc.conv_config(96, 96, 0, 2) == cc.conv_config(96, 96, 0)  # no K entry: the channel pair's
     monkeypatch.setenv("SHOAL_CODEC_CONV_TMA", "0")
     monkeypatch.setenv("SHOAL_CODEC_CONV_FLAT", "1")
-    assert cc.conv_config(96, 96, 0, 7)[5:] == (0, 1)
+    assert cc.conv_config(96, 96, 0, 7)[5:7] == (0, 1)
+    assert all(len(cc.conv_config(*key, 0) if len(key) == 2 else cc.conv_config(key[0], key[1], 0, key[2]))
+               == cc.CONFIG_LEN for key in cc._CONFIGS)
     monkeypatch.delenv("SHOAL_CODEC_CONV_TMA")
     monkeypatch.delenv("SHOAL_CODEC_CONV_FLAT")
     bt, bn, bc = cc.conv_config(40, 24, 10)[:3]
@@ -507,6 +553,35 @@ def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
     assert torch.equal(plain, tma)
     unrolled = cc.conv1d_cl_triton(x, packed, b, d, residual=r, config=cfg + (0, 0))
     assert torch.equal(plain, unrolled)  # the flat loop sums in the same order
+
+
+@gpu
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("shape,cfg", [((64, 96, 96, 7, 9, 4096), (256, 64, 32, 8, 6, 1, 32)),
+                                       ((3, 192, 192, 7, 1, 1000), (128, 128, 32, 8, 5, 1, 64)),
+                                       ((5, 96, 96, 1, 1, 777), (128, 64, 32, 4, 4, 0, 32)),
+                                       ((2, 192, 192, 7, 3, 333), (128, 128, 64, 8, 4, 0, 64))])
+def test_gpu_split_tiles_are_bit_identical(tma, shape, cfg):
+    """Two output-channel tiles per program (BN + BN2 = the channel count) write the bits of
+    one padded power-of-two tile, residual and Snake epilogue included."""
+    B, ci, co, k, d, L_out = shape
+    g = torch.Generator().manual_seed(4)
+    buf = torch.randn(B, L_out + (k - 1) * d + 8, ci, generator=g).to(torch.bfloat16).cuda()
+    x = buf[:, 8:].transpose(1, 2)
+    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(torch.bfloat16).cuda()
+    b = torch.randn(co, generator=g).to(torch.bfloat16).cuda()
+    r = torch.randn(B, co, L_out, generator=g).to(torch.bfloat16).cuda()
+    alpha = (torch.rand(co, generator=g) + 0.5).to(torch.bfloat16).cuda()
+    packed = cc.pack_conv_weight(w)
+    bt, bn, bc, warps, stages, flat, bn2 = cfg
+    one_s = torch.empty(B, L_out, co, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+    two_s = torch.full_like(one_s, float("nan"))
+    one = cc.conv1d_cl_triton(x, packed, b, d, residual=r, snake_alpha=alpha, snake_out=one_s,
+                              config=(bt, 1 << (co - 1).bit_length(), bc, warps, stages, tma, flat))
+    two = cc.conv1d_cl_triton(x, packed, b, d, residual=r, snake_alpha=alpha, snake_out=two_s,
+                              config=(bt, bn, bc, warps, stages, tma, flat, bn2))
+    assert torch.equal(one, two)
+    assert torch.equal(one_s, two_s)
 
 
 @gpu

@@ -49,6 +49,26 @@ _TILES = [  # (BT, BN, BC, warps, stages)
 # each tile with pointer loads, and with descriptor (TMA) loads unrolled and flat:
 # (BT, BN, BC, warps, stages, TMA, FLAT), see shoal.kernels.codec_conv
 CONFIGS = [t + v for t in _TILES for v in ((0, 0), (1, 0), (1, 1))]
+# two output-channel tiles per program (BN + BN2 = 96 or 192 channels, no padded MMA work;
+# descriptor loads): (BT, BN, BC, warps, stages, TMA, FLAT, BN2)
+SPLIT_CONFIGS = [
+    (256, 64, 32, 8, 6, 1, 1, 32), (256, 64, 32, 8, 5, 1, 1, 32), (256, 64, 32, 8, 4, 1, 0, 32),
+    (128, 64, 32, 4, 6, 1, 1, 32), (128, 64, 32, 8, 6, 1, 1, 32), (256, 64, 32, 4, 5, 1, 1, 32),
+    (128, 128, 32, 8, 5, 1, 1, 64), (128, 128, 32, 8, 6, 1, 1, 64), (128, 128, 64, 8, 4, 1, 1, 64),
+    (256, 128, 32, 8, 4, 1, 1, 64), (128, 128, 32, 4, 5, 1, 1, 64), (64, 128, 64, 4, 4, 1, 1, 64),
+    (128, 128, 32, 8, 4, 1, 0, 64), (128, 64, 32, 4, 4, 1, 0, 32),
+]
+
+
+def split_fits(cfg: tuple, c_out: int) -> bool:
+    """A two-tile config is worth timing where its tiles cover ``c_out`` exactly (a whole
+    number of programs) and one power-of-two tile would not."""
+    bn2 = cfg[7] if len(cfg) > 7 else 0
+    return not bn2 or (c_out % (cfg[1] + bn2) == 0 and c_out & (c_out - 1) != 0 and cfg[1] + bn2 <= c_out)
+
+
+def ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v.strip()]
 
 
 def log(msg: str) -> None:
@@ -101,6 +121,8 @@ def bench_conv(shape: dict, dtype, configs) -> dict:
     cells = []
     for cfg in configs:
         if len(configs) > 1 and cfg[1] > max(16, 1 << (co - 1).bit_length()) * 2:
+            continue
+        if not split_fits(cfg, co):
             continue
         try:
             out = conv1d_cl_triton(x_cl, packed, b, d, config=cfg)
@@ -282,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", default="", help="comma list: snake,convs,decode,epilogue,trace,profile")
     p.add_argument("--backends", default="cudnn_ncl,cudnn_nlc,triton")
     p.add_argument("--configs", default="sweep", help="sweep (16 tiles x pointer / descriptor / flat-descriptor "
-                                                      "loads) or table (the shipped config)")
+                                                      "loads), table (the shipped config) or split (the shipped "
+                                                      "config and two-tile BN + BN2 configs)")
+    p.add_argument("--channels", default="", help="only convs with these output channel counts (comma list)")
     p.add_argument("--min-k", type=int, default=1, help="only convs with at least this many taps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -320,9 +344,13 @@ def main(argv: list[str] | None = None) -> int:
             for s, count in uniq.values():
                 if s["k"] < args.min_k:
                     continue
+                if args.channels and s["c_out"] not in ints(args.channels):
+                    continue
                 from ..kernels.codec_conv import conv_config
 
                 cfgs = CONFIGS if args.configs == "sweep" else [conv_config(s["c_in"], s["c_out"], s["l_in"], s["k"])]
+                if args.configs == "split":
+                    cfgs = cfgs + SPLIT_CONFIGS
                 r = bench_conv(s, dtype, cfgs)
                 r["count_per_call"] = count
                 out["convs"].append(r)

@@ -75,10 +75,15 @@ def conv1d_cl_ref(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int 
     return y if residual is None else residual + y
 
 
-# A config: (BT, BN, BC, num_warps, num_stages, TMA, FLAT). TMA: the operands are read through
-# tensor descriptors (one bulk copy per tile); FLAT: one loop over (tap, channel slice) instead of
-# the taps unrolled around a channel loop. By (C_in, C_out, K) first, then (C_in, C_out).
-Config = tuple[int, int, int, int, int, int, int]
+# A config: (BT, BN, BC, num_warps, num_stages, TMA, FLAT, BN2). TMA: the operands are read
+# through tensor descriptors (one bulk copy per tile); FLAT: one loop over (tap, channel slice)
+# instead of the taps unrolled around a channel loop; BN2: a second output-channel tile of this
+# width beside the first (0: none), so that a program covers BN + BN2 channels with two MMAs
+# on the same input tile -- 96 = 64 + 32 and 192 = 128 + 64 channels without the quarter of
+# padded MMA work a single power-of-two tile (128, 256) carries. By (C_in, C_out, K) first,
+# then (C_in, C_out).
+Config = tuple[int, int, int, int, int, int, int, int]
+CONFIG_LEN = 8
 
 # Per conv, the fastest of two sweeps on an H200 (bf16, batch 64 x 32 frames, CUDA-graph replay;
 # `python -m shoal.bench.kernels_codec_conv` and docs/benchmarks.md, 2026-12-04): descriptor
@@ -111,14 +116,14 @@ _CONFIGS: dict[tuple[int, ...], Config] = {
 def conv_config(c_in: int, c_out: int, length: int, k: int | None = None) -> Config:
     """Tile sizes and load variant for a conv with kernel ``k`` (independent of ``length``, so
     that every chunk size shares one compiled variant). ``SHOAL_CODEC_CONV_CFG=BT,BN,BC,warps,
-    stages[,tma[,flat]]`` overrides it for tuning sweeps; ``SHOAL_CODEC_CONV_TMA`` /
+    stages[,tma[,flat[,bn2]]]`` overrides it for tuning sweeps; ``SHOAL_CODEC_CONV_TMA`` /
     ``SHOAL_CODEC_CONV_FLAT`` (``0|1``) override the two flags of every config."""
     env = os.environ.get("SHOAL_CODEC_CONV_CFG")
     if env:
         vals = [int(v) for v in env.split(",")]
-        if len(vals) not in (5, 6, 7):
-            raise ValueError("SHOAL_CODEC_CONV_CFG needs BT,BN,BC,warps,stages[,tma[,flat]]")
-        cfg = tuple(vals + [0] * (7 - len(vals)))
+        if len(vals) not in range(5, CONFIG_LEN + 1):
+            raise ValueError("SHOAL_CODEC_CONV_CFG needs BT,BN,BC,warps,stages[,tma[,flat[,bn2]]]")
+        cfg = tuple(vals)
     else:
         cfg = _CONFIGS.get((c_in, c_out, k)) or _CONFIGS.get((c_in, c_out))
         if cfg is None:
@@ -132,13 +137,24 @@ def conv_config(c_in: int, c_out: int, length: int, k: int | None = None) -> Con
     return _with_flag_overrides(cfg)
 
 
+def full_config(cfg: tuple) -> Config:
+    """``cfg`` with the optional trailing fields (TMA, FLAT, BN2) filled with 0."""
+    cfg = tuple(int(v) for v in cfg)
+    if not 5 <= len(cfg) <= CONFIG_LEN:
+        raise ValueError(f"a conv config has 5 to {CONFIG_LEN} fields, got {cfg}")
+    cfg = cfg + (0,) * (CONFIG_LEN - len(cfg))
+    if cfg[7] and (cfg[7] < 16 or cfg[7] & (cfg[7] - 1)):
+        raise ValueError(f"BN2 must be 0 or a power of two >= 16, got {cfg[7]}")
+    return cfg
+
+
 def _with_flag_overrides(cfg: tuple) -> Config:
-    cfg = tuple(cfg) + (0,) * (7 - len(cfg))
+    cfg = full_config(cfg)
     tma, flat = os.environ.get("SHOAL_CODEC_CONV_TMA"), os.environ.get("SHOAL_CODEC_CONV_FLAT")
     if tma in ("0", "1"):
         cfg = cfg[:5] + (int(tma),) + cfg[6:]
     if flat in ("0", "1"):
-        cfg = cfg[:6] + (int(flat),)
+        cfg = cfg[:6] + (int(flat),) + cfg[7:]
     return cfg
 
 
@@ -161,86 +177,13 @@ if HAS_TRITON:
         alpha = tl.load(p_ptr + c, mask=c < C_in, other=1.0).to(tl.float32)
         return _snake_math(a.to(tl.float32), alpha[None, :], DT, ACCURATE_SIN).to(a.dtype)
 
-    def _conv_kernel(
-        x_ptr, w_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr, p_ptr,
-        L_out, C_in, C_out, n_tb, n_nb, x_rows,
-        sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
-        K: tl.constexpr,
-        DIL: tl.constexpr,
-        HAS_B: tl.constexpr,
-        BIAS_LATE: tl.constexpr,
-        HAS_R: tl.constexpr,
-        WRITE_O: tl.constexpr,
-        SNAKE: tl.constexpr,
-        PRE_SNAKE: tl.constexpr,
-        ACCURATE_SIN: tl.constexpr,
-        BT: tl.constexpr,
-        BN: tl.constexpr,
-        BC: tl.constexpr,
-        DT: tl.constexpr,
-        IEEE: tl.constexpr,
-        UPCAST: tl.constexpr,
-        FLAT: tl.constexpr,
-        TMA: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)  # one flat axis; output-channel tiles fastest
-        nb = pid % n_nb
-        rest = pid // n_nb
-        tb = rest % n_tb
-        b = rest // n_tb
-        t = tb * BT + tl.arange(0, BT)
-        n = (nb * BN + tl.arange(0, BN)).to(tl.int32)
-        tm = t < L_out
+    def _epilogue_impl(acc, b, t, n, tm, C_out, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                       srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                       HAS_B: tl.constexpr, BIAS_LATE: tl.constexpr, HAS_R: tl.constexpr,
+                       WRITE_O: tl.constexpr, SNAKE: tl.constexpr, ACCURATE_SIN: tl.constexpr,
+                       DT: tl.constexpr):
+        """Bias, residual, store and the following Snake of one output tile (channels ``n``)."""
         nm = n < C_out
-        acc = tl.zeros((BT, BN), dtype=tl.float32)
-        if TMA:  # x_ptr / w_ptr are tensor descriptors (see conv1d_cl_triton): one bulk copy a tile
-            row0 = (b * x_rows + tb * BT).to(tl.int32)
-            n0 = (nb * BN).to(tl.int32)
-            if FLAT:
-                n_cc = C_in // BC
-                for it in range(0, K * n_cc):
-                    k = it // n_cc
-                    c0 = (it % n_cc) * BC
-                    a = x_ptr.load([row0 + k * DIL, c0])
-                    if PRE_SNAKE:
-                        a = _pre_snake(a, p_ptr, c0 + tl.arange(0, BC), C_in, DT, ACCURATE_SIN)
-                    w = w_ptr.load([k * C_in + c0, n0])
-                    acc = _mma(a, w, acc, IEEE, UPCAST)
-            else:
-                for k in tl.static_range(K):
-                    for c0 in range(0, C_in, BC):
-                        a = x_ptr.load([row0 + k * DIL, c0])
-                        if PRE_SNAKE:
-                            a = _pre_snake(a, p_ptr, c0 + tl.arange(0, BC), C_in, DT, ACCURATE_SIN)
-                        w = w_ptr.load([k * C_in + c0, n0])
-                        acc = _mma(a, w, acc, IEEE, UPCAST)
-        elif FLAT:  # one loop over (tap, channel slice): a long loop for the software pipeliner
-            xb = x_ptr + b * sxb
-            n_cc = tl.cdiv(C_in, BC)
-            for it in range(0, K * n_cc):
-                k = it // n_cc
-                c = (it % n_cc) * BC + tl.arange(0, BC)
-                cm = c < C_in
-                a = tl.load(xb + (t + k * DIL)[:, None] * sxl + c[None, :].to(tl.int64) * sxc,
-                            mask=tm[:, None] & cm[None, :], other=0.0)
-                if PRE_SNAKE:
-                    a = _pre_snake(a, p_ptr, c, C_in, DT, ACCURATE_SIN)
-                w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
-                            mask=cm[:, None] & nm[None, :], other=0.0)
-                acc = _mma(a, w, acc, IEEE, UPCAST)
-        else:
-            xb = x_ptr + b * sxb
-            for k in tl.static_range(K):
-                rows = (t + k * DIL)[:, None] * sxl
-                for c0 in range(0, C_in, BC):
-                    c = c0 + tl.arange(0, BC)
-                    cm = c < C_in
-                    a = tl.load(xb + rows + c[None, :].to(tl.int64) * sxc, mask=tm[:, None] & cm[None, :], other=0.0)
-                    if PRE_SNAKE:
-                        a = _pre_snake(a, p_ptr, c, C_in, DT, ACCURATE_SIN)
-                    w = tl.load(w_ptr + (k * C_in + c)[:, None].to(tl.int64) * C_out + n[None, :],
-                                mask=cm[:, None] & nm[None, :], other=0.0)
-                    acc = _mma(a, w, acc, IEEE, UPCAST)
         if HAS_B:
             bias = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
             if BIAS_LATE:  # round(round(conv) + bias): the bias added by a separate pass
@@ -261,6 +204,111 @@ if HAS_TRITON:
             sv = _snake_math(h, alpha[None, :], DT, ACCURATE_SIN)
             tl.store(s_ptr + b * ssb + n64 * ssc + t[:, None] * ssl, sv.to(s_ptr.dtype.element_ty), mask=m)
 
+    def _conv_kernel(
+        x_ptr, w_ptr, w2_ptr, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr, p_ptr,
+        L_out, C_in, C_out, n_tb, n_nb, x_rows,
+        sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+        K: tl.constexpr,
+        DIL: tl.constexpr,
+        HAS_B: tl.constexpr,
+        BIAS_LATE: tl.constexpr,
+        HAS_R: tl.constexpr,
+        WRITE_O: tl.constexpr,
+        SNAKE: tl.constexpr,
+        PRE_SNAKE: tl.constexpr,
+        ACCURATE_SIN: tl.constexpr,
+        BT: tl.constexpr,
+        BN: tl.constexpr,
+        BC: tl.constexpr,
+        BN2: tl.constexpr,
+        DT: tl.constexpr,
+        IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
+        FLAT: tl.constexpr,
+        TMA: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)  # one flat axis; output-channel tiles fastest
+        nb = pid % n_nb
+        rest = pid // n_nb
+        tb = rest % n_tb
+        b = rest // n_tb
+        t = tb * BT + tl.arange(0, BT)
+        n = (nb * (BN + BN2) + tl.arange(0, BN)).to(tl.int32)
+        tm = t < L_out
+        nm = n < C_out
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        if BN2 > 0:  # the second output-channel tile: channels [BN, BN + BN2) of this program's
+            n2 = (nb * (BN + BN2) + BN + tl.arange(0, BN2)).to(tl.int32)
+            nm2 = n2 < C_out
+            acc2 = tl.zeros((BT, BN2), dtype=tl.float32)
+        if TMA:  # x_ptr / w_ptr are tensor descriptors (see conv1d_cl_triton): one bulk copy a tile
+            row0 = (b * x_rows + tb * BT).to(tl.int32)
+            n0 = (nb * (BN + BN2)).to(tl.int32)
+            if FLAT:
+                n_cc = C_in // BC
+                for it in range(0, K * n_cc):
+                    k = it // n_cc
+                    c0 = (it % n_cc) * BC
+                    a = x_ptr.load([row0 + k * DIL, c0])
+                    if PRE_SNAKE:
+                        a = _pre_snake(a, p_ptr, c0 + tl.arange(0, BC), C_in, DT, ACCURATE_SIN)
+                    w = w_ptr.load([k * C_in + c0, n0])
+                    acc = _mma(a, w, acc, IEEE, UPCAST)
+                    if BN2 > 0:
+                        w2 = w2_ptr.load([k * C_in + c0, n0 + BN])
+                        acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+            else:
+                for k in tl.static_range(K):
+                    for c0 in range(0, C_in, BC):
+                        a = x_ptr.load([row0 + k * DIL, c0])
+                        if PRE_SNAKE:
+                            a = _pre_snake(a, p_ptr, c0 + tl.arange(0, BC), C_in, DT, ACCURATE_SIN)
+                        w = w_ptr.load([k * C_in + c0, n0])
+                        acc = _mma(a, w, acc, IEEE, UPCAST)
+                        if BN2 > 0:
+                            w2 = w2_ptr.load([k * C_in + c0, n0 + BN])
+                            acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+        elif FLAT:  # one loop over (tap, channel slice): a long loop for the software pipeliner
+            xb = x_ptr + b * sxb
+            n_cc = tl.cdiv(C_in, BC)
+            for it in range(0, K * n_cc):
+                k = it // n_cc
+                c = (it % n_cc) * BC + tl.arange(0, BC)
+                cm = c < C_in
+                a = tl.load(xb + (t + k * DIL)[:, None] * sxl + c[None, :].to(tl.int64) * sxc,
+                            mask=tm[:, None] & cm[None, :], other=0.0)
+                if PRE_SNAKE:
+                    a = _pre_snake(a, p_ptr, c, C_in, DT, ACCURATE_SIN)
+                wrow = (k * C_in + c)[:, None].to(tl.int64) * C_out
+                w = tl.load(w_ptr + wrow + n[None, :], mask=cm[:, None] & nm[None, :], other=0.0)
+                acc = _mma(a, w, acc, IEEE, UPCAST)
+                if BN2 > 0:
+                    w2 = tl.load(w_ptr + wrow + n2[None, :], mask=cm[:, None] & nm2[None, :], other=0.0)
+                    acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+        else:
+            xb = x_ptr + b * sxb
+            for k in tl.static_range(K):
+                rows = (t + k * DIL)[:, None] * sxl
+                for c0 in range(0, C_in, BC):
+                    c = c0 + tl.arange(0, BC)
+                    cm = c < C_in
+                    a = tl.load(xb + rows + c[None, :].to(tl.int64) * sxc, mask=tm[:, None] & cm[None, :], other=0.0)
+                    if PRE_SNAKE:
+                        a = _pre_snake(a, p_ptr, c, C_in, DT, ACCURATE_SIN)
+                    wrow = (k * C_in + c)[:, None].to(tl.int64) * C_out
+                    w = tl.load(w_ptr + wrow + n[None, :], mask=cm[:, None] & nm[None, :], other=0.0)
+                    acc = _mma(a, w, acc, IEEE, UPCAST)
+                    if BN2 > 0:
+                        w2 = tl.load(w_ptr + wrow + n2[None, :], mask=cm[:, None] & nm2[None, :], other=0.0)
+                        acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+        _epilogue(acc, b, t, n, tm, C_out, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                  srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                  HAS_B, BIAS_LATE, HAS_R, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+        if BN2 > 0:
+            _epilogue(acc2, b, t, n2, tm, C_out, b_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                      srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                      HAS_B, BIAS_LATE, HAS_R, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+
     if triton_interpreting():
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
     else:
@@ -268,6 +316,7 @@ if HAS_TRITON:
 
     _mma = _Wrap(_mma_impl)
     _pre_snake = _Wrap(_pre_snake_impl)
+    _epilogue = _Wrap(_epilogue_impl)
 
     @functools.cache
     def _kernel():
@@ -299,7 +348,7 @@ def fp32_tiles(bt: int, bn: int, bc: int, stages: int) -> tuple[int, int]:
 
 def fit_stages(bt: int, bn: int, bc: int, stages: int, elem_bytes: int, budget: int) -> int:
     """The deepest pipeline (at most ``stages``, at least 2) whose operand tiles fit ``budget``
-    bytes of shared memory."""
+    bytes of shared memory (``bn``: every output-channel tile of the program together)."""
     return max(2, min(stages, budget // ((bt * bc + bc * bn) * elem_bytes)))
 
 
@@ -400,21 +449,21 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         raise ValueError(f"residual must be {(B, C_out, L_out)} {x.dtype}")
     if out.numel() == 0:
         return out if write_out else None
-    cfg = tuple(config) + (0,) * (7 - len(config)) if config else conv_config(C_in, C_out, L_out, K)
-    bt, bn, bc, warps, stages, tma, flat = cfg
+    cfg = full_config(config) if config else conv_config(C_in, C_out, L_out, K)
+    bt, bn, bc, warps, stages, tma, flat, bn2 = cfg
     if config is None:
         if x.dtype == torch.float32:
-            bc, stages = fp32_tiles(bt, bn, bc, stages)
+            bc, stages = fp32_tiles(bt, bn + bn2, bc, stages)
         if x.is_cuda and not interpret:
             # the table was measured on an H200: a GPU without TMA gets pointer loads and
             # unrolled taps, and every GPU a pipeline that fits its shared memory (the H200's
             # configs fit its own, so they run unchanged there)
             if not _has_tma(x.device.index or 0):
                 tma, flat = 0, 0
-            stages = fit_stages(bt, bn, bc, stages, x.element_size(), _smem_bytes(x.device.index or 0))
+            stages = fit_stages(bt, bn + bn2, bc, stages, x.element_size(), _smem_bytes(x.device.index or 0))
     n_tb = triton.cdiv(L_out, bt)
-    n_nb = triton.cdiv(C_out, bn)
-    x_src, w_src, x_rows = x, packed, 0
+    n_nb = triton.cdiv(C_out, bn + bn2)
+    x_src, w_src, w2_src, x_rows = x, packed, packed, 0
     if tma and _tma_ok(x, packed, bc):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -425,6 +474,8 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
         x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C_in], [x.stride(2), 1], [bt, bc])
         w_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn])
+        if bn2:
+            w2_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn2])
     else:
         tma = False
     r = residual if residual is not None else out
@@ -441,7 +492,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         # setting compiles no extra plain-conv variants
         ACCURATE_SIN=(sin_mode(x.dtype, interpret)
                       if snake_alpha is not None or pre_snake_alpha is not None else 0),
-        BT=bt, BN=bn, BC=bc,
+        BT=bt, BN=bn, BC=bc, BN2=bn2,
         DT=_DT_CODE[x.dtype],
         # fp32 follows cuDNN's setting: TF32 tensor cores when torch allows them for convs
         IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
@@ -450,9 +501,9 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
         **opts,
     )
 
-    def launch(x_src, w_src, x_rows: int, use_tma: bool) -> None:
+    def launch(x_src, w_src, w2_src, x_rows: int, use_tma: bool) -> None:
         _kernel()[(B * n_tb * n_nb,)](
-            x_src, w_src, bias if bias is not None else packed, r, out,
+            x_src, w_src, w2_src, bias if bias is not None else packed, r, out,
             snake_alpha if snake_alpha is not None else packed, so,
             pre_snake_alpha if pre_snake_alpha is not None else packed,
             L_out, C_in, C_out, n_tb, n_nb, x_rows,
@@ -462,13 +513,13 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
 
     variant = (x.device.type, x.dtype, stages) + tuple(sorted((k, v) for k, v in consts.items()))
     if not tma or variant in _TMA_FAILED:
-        launch(x, packed, 0, False)
+        launch(x, packed, packed, 0, False)
         return out if write_out else None
     try:
-        launch(x_src, w_src, x_rows, True)
+        launch(x_src, w_src, w2_src, x_rows, True)
     except Exception as e:  # noqa: BLE001 - a descriptor variant this GPU / Triton cannot build
         _TMA_FAILED.add(variant)
         log.warning("codec conv: descriptor loads failed for a %d-tap %s conv (%s: %s); it runs on "
                     "pointer loads", K, x.dtype, type(e).__name__, str(e)[:200])
-        launch(x, packed, 0, False)
+        launch(x, packed, packed, 0, False)
     return out if write_out else None
