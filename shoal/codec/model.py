@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from .config import CodecConfig, QuantizerConfig
 from ..kernels.codec_conv import conv1d_cl_triton
+from ..kernels.codec_unit import residual_unit_triton, unit_supported
 from ..kernels.fused import use_triton
 from ..kernels.snake import snake as snake_op
 from .layers import (
@@ -94,7 +95,8 @@ class Decoder(StreamingModule):
         # "fused" (as "k1", but each k=1 conv applies the k=7 output's Snake to its input tiles
         # as it loads them, and each block's transposed-conv GEMM adds its bias and the first
         # Snake in its epilogue: no separate Snake kernels inside the blocks, no Snake'd copies
-        # written; the Snake before the first block stays a kernel)
+        # written; the Snake before the first block stays a kernel), or "unit" (as "fused", each
+        # residual unit of at most 192 channels one kernel: shoal.kernels.codec_unit)
         self.snake_epilogue: bool | str = False
         # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
         # run over groups of streams holding at most N decoder-input positions (streams x 4 x
@@ -201,7 +203,8 @@ class Decoder(StreamingModule):
             # tensor a local name still holds
             ct.save_context(buf, state)
             c7 = units[0][1]
-            if self.snake_epilogue == "fused":  # bias and Snake in the GEMM's epilogue
+            fused = self.snake_epilogue in ("fused", "unit")
+            if fused:  # bias and Snake in the GEMM's epilogue
                 n = (buf.shape[-1] - 1) * ct.stride
                 h = self._act(buf, (buf.shape[0], ct.conv.out_channels, n))
                 cbuf = c7._buffer(h, c7.padding + n)
@@ -216,10 +219,22 @@ class Decoder(StreamingModule):
                 h = self._act(y)
                 snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
                 del y
+            # "unit": each residual unit of at most MAX_UNIT_CHANNELS channels is one kernel
+            one_kernel = self.snake_epilogue == "unit" and unit_supported(h.shape[1])
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
+                if one_kernel:
+                    nbuf, body, h_new, alpha = self._unit_next(blocks, units, bi, j, h, state)
+                    residual_unit_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
+                                         snake2.alpha, conv1.packed_weight(), conv1.conv.bias, h,
+                                         out=h_new, snake_alpha=alpha, snake_out=body,
+                                         write_out=h_new is not None)
+                    del cbuf, body
+                    h, cbuf = h_new, nbuf
+                    del h_new, nbuf
+                    continue
                 pre_alpha = None
-                if self.snake_epilogue == "fused":  # the k1 conv Snakes its input tiles itself
+                if fused:  # the k1 conv Snakes its input tiles itself
                     s2 = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
                     pre_alpha = snake2.alpha
                 elif self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
@@ -232,22 +247,7 @@ class Decoder(StreamingModule):
                     conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
                                      snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
                 del cbuf  # the k7 conv's input: read, and its context saved
-                if j + 1 < len(units):
-                    nxt, alpha = units[j + 1][1], units[j + 1][0].alpha
-                    nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
-                    nxt._with_context(nbuf, state)
-                    body = nbuf[..., nxt.padding:]
-                    h_new = self._act(h)
-                elif bi + 1 < len(blocks):
-                    nxt, alpha = blocks[bi + 1].block[1], blocks[bi + 1].block[0].alpha
-                    nbuf = nxt.input_buffer(h, h.shape[-1])
-                    nxt.fill_context(nbuf, state)
-                    body, h_new = nbuf[..., 1:], None
-                else:
-                    nxt, alpha = final_conv, final_sn.alpha
-                    nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
-                    nxt._with_context(nbuf, state)
-                    body, h_new = nbuf[..., nxt.padding:], None
+                nbuf, body, h_new, alpha = self._unit_next(blocks, units, bi, j, h, state)
                 conv1d_cl_triton(s2, conv1.packed_weight(), conv1.conv.bias, 1, residual=h, out=h_new,
                                  snake_alpha=alpha, snake_out=body, write_out=h_new is not None,
                                  pre_snake_alpha=pre_alpha)
@@ -257,6 +257,26 @@ class Decoder(StreamingModule):
             buf = cbuf
             del cbuf, h
         return buf
+
+    def _unit_next(self, blocks: list, units: list, bi: int, j: int, h: Tensor,
+                   state: StreamState | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+        """Where unit ``j`` of block ``bi`` writes: ``(next conv's input buffer with its
+        context filled, the view its Snake'd samples go to, the new residual stream h' or None
+        when no unit follows in this block, that Snake's alpha)``."""
+        if j + 1 < len(units):
+            nxt, alpha = units[j + 1][1], units[j + 1][0].alpha
+            nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
+            nxt._with_context(nbuf, state)
+            return nbuf, nbuf[..., nxt.padding:], self._act(h), alpha
+        if bi + 1 < len(blocks):
+            nxt, alpha = blocks[bi + 1].block[1], blocks[bi + 1].block[0].alpha
+            nbuf = nxt.input_buffer(h, h.shape[-1])
+            nxt.fill_context(nbuf, state)
+            return nbuf, nbuf[..., 1:], None, alpha
+        nxt, alpha = self.model[-2], self.model[-3].alpha
+        nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
+        nxt._with_context(nbuf, state)
+        return nbuf, nbuf[..., nxt.padding:], None, alpha
 
     def _forward_fused(self, x: Tensor, state: StreamState | None) -> Tensor:
         """The same computation as ``self.model`` with fewer passes over the activations.
@@ -589,7 +609,9 @@ class Codec(nn.Module):
         (residual add, new residual stream and the next Snake in one epilogue), the k=7 convs'
         Snakes stay separate kernels; ``"fused"``: ``"k1"`` with each k=7 conv's Snake applied by
         the k=1 conv to its input tiles and each block's bias + first Snake in the transposed
-        conv's GEMM epilogue (no separate Snake kernels inside the blocks). ``group_positions``: the decoder's blocks after the first
+        conv's GEMM epilogue (no separate Snake kernels inside the blocks); ``"unit"``: ``"fused"``
+        with each residual unit of up to 192 channels one kernel (``shoal.kernels.codec_unit``:
+        the k=7 conv's output stays on chip). ``group_positions``: the decoder's blocks after the first
         run over groups of streams of at most this many input positions (streams x 4 x frames;
         ``None``: no groups; left unchanged when not given): the same numbers, a bounded
         activation peak (see ``Decoder.row_groups``); ``group_head_blocks``: how many decoder
@@ -618,8 +640,8 @@ class Codec(nn.Module):
         if snake_epilogue is not None:
             if isinstance(snake_epilogue, str):
                 key = snake_epilogue.strip().lower()
-                if key not in ("k1", "fused", "all", "none"):
-                    raise ValueError("snake_epilogue must be a bool, 'all', 'k1', 'fused' or 'none', "
+                if key not in ("k1", "fused", "unit", "all", "none"):
+                    raise ValueError("snake_epilogue must be a bool, 'all', 'k1', 'fused', 'unit' or 'none', "
                                      f"got {snake_epilogue!r}")
                 self.decoder.snake_epilogue = {"all": True, "none": False}.get(key, key)
             else:

@@ -1,0 +1,321 @@
+"""A whole residual unit of the codec decoder in one kernel (Triton, channels-last).
+
+A decoder residual unit is ``h' = h + conv1(Snake2(conv7(Snake1(h))))`` followed by the next
+Snake (of the next unit, block or the final conv). The serving decoder's ``fused`` mode runs
+it as two implicit-GEMM convs (:mod:`shoal.kernels.codec_conv`): the dilated k=7 conv writes
+its output ``a``, and the k=1 conv reads ``a`` back, applies ``Snake2`` to the tiles it loads,
+adds its bias and the residual ``h`` and writes ``h'`` and ``Snake(h')``. At the decoder's
+high rates (96 and 192 channels, up to 2,048 samples per frame) ``a`` is as large as every
+other activation: one write and one read of it per unit, and a second launch.
+
+:func:`residual_unit_triton` keeps ``a`` on chip. A program owns ``BT`` output rows and *every*
+channel (``C = BN + BN2``, two power-of-two tiles: 96 = 64 + 32, 192 = 128 + 64): it runs the
+k=7 conv's loop exactly as the conv kernel does (same tiles, same order), rounds ``a + bias``
+to the storage dtype, applies ``Snake2`` (rounded as the Snake kernel rounds), multiplies the
+result by the k=1 weight in registers / shared memory, and ends with the k=1 conv's epilogue
+(bias, residual, ``h'``, the next Snake). The k=1 products are summed over the input channels
+in ascending order, as the k=1 conv kernel's channel loop sums them: on the GPU the result is
+meant to be the bits of the two-kernel path (tested there); under the interpreter, whose
+matrix products group their sums by tile, it agrees to rounding.
+
+Inputs follow :func:`shoal.kernels.codec_conv.conv1d_cl_triton`: ``x`` is the k=7 conv's
+input buffer ``[B, C, L_in]`` (left context included, ``Snake1`` already applied, channels-last
+memory); weights are packed ``[K, C_in, C_out]``. :func:`residual_unit_ref` is the reference
+(the two convs through ``F.conv1d`` and the Snake reference, each result rounded).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .codec_conv import (_channels_last_empty, _has_tma, _smem_bytes, _tma_ok, fit_stages,
+                         pack_conv_weight)
+from .fused import _DT_CODE, _check_dtype, _require_kernel
+from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
+from .snake import sin_mode, snake_ref
+
+log = logging.getLogger(__name__)
+
+__all__ = ["residual_unit_ref", "residual_unit_triton", "unit_config", "unit_supported"]
+
+# (BT, BN, BC, num_warps, num_stages, TMA, FLAT, BN2) by channel count: the k=7 loop's tiles
+# (BN + BN2 = C). Not yet tuned on a GPU: the conv kernel's best BN2 shapes.
+_UNIT_CONFIGS: dict[int, tuple[int, ...]] = {
+    96: (128, 64, 32, 8, 4, 1, 1, 32),
+    192: (128, 128, 32, 8, 3, 1, 1, 64),
+}
+MAX_UNIT_CHANNELS = 192
+
+
+def _split(c: int) -> tuple[int, int]:
+    """Two power-of-two tiles covering ``c`` channels with the least padding (BN >= BN2)."""
+    bn = 1 << (max(c, 16) - 1).bit_length()
+    if bn == c or bn < 32:
+        return bn, 0
+    half = bn // 2
+    rest = c - half
+    bn2 = max(16, 1 << (rest - 1).bit_length())
+    return (half, bn2) if half + bn2 < bn else (bn, 0)
+
+
+def unit_supported(c: int) -> bool:
+    """Whether a unit of ``c`` channels runs as one kernel (its accumulators fit a program)."""
+    return HAS_TRITON and c <= MAX_UNIT_CHANNELS
+
+
+def unit_config(c: int) -> tuple[int, ...]:
+    """The kernel's tiles for ``c`` channels (the table, else two tiles from :func:`_split`)."""
+    cfg = _UNIT_CONFIGS.get(c)
+    if cfg is not None:
+        return cfg
+    bn, bn2 = _split(c)
+    bc = min(64, max(16, 1 << (max(c, 16) - 1).bit_length()))
+    return (64, bn, bc, 4, 2, 0, 0, bn2)
+
+
+def residual_unit_ref(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int, alpha2: Tensor,
+                      w1: Tensor, b1: Tensor | None, residual: Tensor,
+                      snake_alpha: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """``(h', Snake(h'))`` with nn.Conv1d weights (``[C_out, C_in, K]``), each step rounded to
+    the storage dtype as the separate kernels round it."""
+    a = F.conv1d(x.float(), w7.float(), None if b7 is None else b7.float(), 1, 0, dilation).to(x.dtype)
+    s = snake_ref(a, alpha2)[0]
+    y = F.conv1d(s.float(), w1.float(), None if b1 is None else b1.float()).to(x.dtype)
+    h = (residual.float() + y.float()).to(x.dtype)
+    return h, (snake_ref(h, snake_alpha)[0] if snake_alpha is not None else None)
+
+
+if HAS_TRITON:
+    from .codec_conv import _epilogue, _mma  # noqa: F401 - called by name from the kernel
+    from .fused import _round  # noqa: F401
+    from .snake import _snake_math  # noqa: F401
+
+    def _mid_impl(acc, b_ptr, p_ptr, n, C, DT: tl.constexpr, ACCURATE_SIN: tl.constexpr):
+        """The k=7 conv's result as the k=1 conv reads it: ``Snake2(round(acc + bias))``,
+        rounded to the storage dtype (padded channels: bias 0, so Snake(0) = 0)."""
+        nm = n < C
+        bias = tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)
+        a = _round(acc + bias[None, :], DT)
+        alpha = tl.load(p_ptr + n, mask=nm, other=1.0).to(tl.float32)
+        return _snake_math(a, alpha[None, :], DT, ACCURATE_SIN)
+
+    def _unit_kernel(
+        x_ptr, w_ptr, w2_ptr, b7_ptr, p_ptr, v_ptr, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+        L_out, C, n_tb, x_rows,
+        sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+        K: tl.constexpr,
+        DIL: tl.constexpr,
+        WRITE_O: tl.constexpr,
+        SNAKE: tl.constexpr,
+        ACCURATE_SIN: tl.constexpr,
+        BT: tl.constexpr,
+        BN: tl.constexpr,
+        BC: tl.constexpr,
+        BN2: tl.constexpr,
+        DT: tl.constexpr,
+        IEEE: tl.constexpr,
+        UPCAST: tl.constexpr,
+        FLAT: tl.constexpr,
+        TMA: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        tb = pid % n_tb
+        b = pid // n_tb
+        t = tb * BT + tl.arange(0, BT)
+        tm = t < L_out
+        n = tl.arange(0, BN).to(tl.int32)
+        nm = n < C
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        if BN2 > 0:
+            n2 = (BN + tl.arange(0, BN2)).to(tl.int32)
+            nm2 = n2 < C
+            acc2 = tl.zeros((BT, BN2), dtype=tl.float32)
+        # ---- the k=7 conv: the conv kernel's loops with one channel block (nb = 0)
+        if TMA:
+            row0 = (b * x_rows + tb * BT).to(tl.int32)
+            if FLAT:
+                n_cc = C // BC
+                for it in range(0, K * n_cc):
+                    k = it // n_cc
+                    c0 = (it % n_cc) * BC
+                    a = x_ptr.load([row0 + k * DIL, c0])
+                    w = w_ptr.load([k * C + c0, 0])
+                    acc = _mma(a, w, acc, IEEE, UPCAST)
+                    if BN2 > 0:
+                        w2 = w2_ptr.load([k * C + c0, BN])
+                        acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+            else:
+                for k in tl.static_range(K):
+                    for c0 in range(0, C, BC):
+                        a = x_ptr.load([row0 + k * DIL, c0])
+                        w = w_ptr.load([k * C + c0, 0])
+                        acc = _mma(a, w, acc, IEEE, UPCAST)
+                        if BN2 > 0:
+                            w2 = w2_ptr.load([k * C + c0, BN])
+                            acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+        else:
+            xb = x_ptr + b * sxb
+            n_cc = tl.cdiv(C, BC)
+            for it in range(0, K * n_cc):
+                k = it // n_cc
+                c = (it % n_cc) * BC + tl.arange(0, BC)
+                cm = c < C
+                a = tl.load(xb + (t + k * DIL)[:, None] * sxl + c[None, :].to(tl.int64) * sxc,
+                            mask=tm[:, None] & cm[None, :], other=0.0)
+                wrow = (k * C + c)[:, None].to(tl.int64) * C
+                w = tl.load(w_ptr + wrow + n[None, :], mask=cm[:, None] & nm[None, :], other=0.0)
+                acc = _mma(a, w, acc, IEEE, UPCAST)
+                if BN2 > 0:
+                    w2 = tl.load(w_ptr + wrow + n2[None, :], mask=cm[:, None] & nm2[None, :], other=0.0)
+                    acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
+        # ---- Snake2 of the k=7 result, kept on chip in the storage dtype
+        s1 = _mid(acc, b7_ptr, p_ptr, n, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
+        # ---- the k=1 conv over the input channels in ascending order, then its epilogue
+        v_aa = tl.load(v_ptr + n[:, None] * C + n[None, :], mask=nm[:, None] & nm[None, :], other=0.0)
+        out1 = _mma(s1, v_aa, tl.zeros((BT, BN), dtype=tl.float32), IEEE, UPCAST)
+        if BN2 > 0:
+            s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
+            v_ba = tl.load(v_ptr + n2[:, None] * C + n[None, :], mask=nm2[:, None] & nm[None, :], other=0.0)
+            out1 = _mma(s2, v_ba, out1, IEEE, UPCAST)
+        _epilogue(out1, b, t, n, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                  srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                  True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+        if BN2 > 0:
+            v_ab = tl.load(v_ptr + n[:, None] * C + n2[None, :], mask=nm[:, None] & nm2[None, :], other=0.0)
+            v_bb = tl.load(v_ptr + n2[:, None] * C + n2[None, :], mask=nm2[:, None] & nm2[None, :], other=0.0)
+            out2 = _mma(s1, v_ab, tl.zeros((BT, BN2), dtype=tl.float32), IEEE, UPCAST)
+            out2 = _mma(s2, v_bb, out2, IEEE, UPCAST)
+            _epilogue(out2, b, t, n2, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                      srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                      True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+
+    if triton_interpreting():
+        from triton.runtime.interpreter import InterpretedFunction as _Wrap
+    else:
+        from triton.runtime.jit import JITFunction as _Wrap
+
+    _mid = _Wrap(_mid_impl)
+
+    @functools.cache
+    def _kernel():
+        if triton_interpreting():
+            return _Wrap(_unit_kernel)
+        return _Wrap(_unit_kernel, do_not_specialize=["L_out", "n_tb", "x_rows"])
+
+
+_TMA_FAILED: set[tuple] = set()
+
+
+def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int, alpha2: Tensor,
+                         w1: Tensor, b1: Tensor | None, residual: Tensor, *,
+                         out: Tensor | None = None, snake_alpha: Tensor | None = None,
+                         snake_out: Tensor | None = None, write_out: bool = True,
+                         config: tuple[int, ...] | None = None) -> Tensor | None:
+    """One residual unit (see the module docstring); ``w7`` / ``w1`` packed by
+    :func:`pack_conv_weight` (``[7, C, C]`` / ``[1, C, C]``). Writes ``h'`` into ``out`` (or a
+    new channels-last tensor; skipped with ``write_out=False``) and ``Snake_snake_alpha(h')``
+    into ``snake_out`` (any strides: the next conv's input buffer after its context)."""
+    _check_dtype("x", x)
+    B, C, L_in = x.shape
+    K = w7.shape[0]
+    if w7.shape != (K, C, C) or w1.shape != (1, C, C):
+        raise ValueError(f"weights must be packed [K, {C}, {C}] and [1, {C}, {C}], got "
+                         f"{tuple(w7.shape)} and {tuple(w1.shape)}")
+    for name, w in (("w7", w7), ("w1", w1)):
+        if w.dtype != x.dtype or not w.is_contiguous():
+            raise ValueError(f"{name} must be contiguous and in x's dtype")
+    if C > MAX_UNIT_CHANNELS:
+        raise ValueError(f"a unit of {C} channels does not fit one program (at most {MAX_UNIT_CHANNELS})")
+    L_out = L_in - (K - 1) * dilation
+    if L_out < 0:
+        raise ValueError(f"input of {L_in} samples is shorter than the receptive field")
+    if tuple(residual.shape) != (B, C, L_out) or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be {(B, C, L_out)} {x.dtype}")
+    for name, v in (("alpha2", alpha2), ("snake_alpha", snake_alpha), ("b7", b7), ("b1", b1)):
+        if v is not None and v.numel() != C:
+            raise ValueError(f"{name} must have {C} elements")
+    if snake_alpha is not None:
+        if snake_out is None or tuple(snake_out.shape) != (B, C, L_out) or snake_out.dtype != x.dtype:
+            raise ValueError(f"snake_out must be {(B, C, L_out)} {x.dtype}")
+    elif not write_out:
+        raise ValueError("write_out=False needs a Snake output")
+    if out is None and write_out:
+        out = _channels_last_empty(B, C, L_out, x)
+    elif out is None:
+        out = snake_out
+    elif tuple(out.shape) != (B, C, L_out) or out.dtype != x.dtype:
+        raise ValueError(f"out must be {(B, C, L_out)} {x.dtype}")
+    interpret = _require_kernel(x)
+    if out.numel() == 0:
+        return out if write_out else None
+    zeros = None
+    if b7 is None or b1 is None:
+        zeros = torch.zeros(C, device=x.device, dtype=x.dtype)
+    b7 = (b7 if b7 is not None else zeros).reshape(C).contiguous()
+    b1 = (b1 if b1 is not None else zeros).reshape(C).contiguous()
+    alpha2 = alpha2.reshape(C).contiguous()
+    if snake_alpha is not None:
+        snake_alpha = snake_alpha.reshape(C).contiguous()
+    cfg = tuple(config or unit_config(C))
+    bt, bn, bc, warps, stages, tma, flat, bn2 = cfg + (0,) * (8 - len(cfg))
+    if bn + bn2 < C:
+        raise ValueError(f"tiles {bn} + {bn2} do not cover {C} channels")
+    if x.is_cuda and not interpret:
+        if not _has_tma(x.device.index or 0):
+            tma, flat = 0, 0
+        # the k=1 weight and the Snake'd tile stay in shared memory beside the k=7 pipeline
+        budget = _smem_bytes(x.device.index or 0) - (C * C + bt * C) * x.element_size()
+        stages = fit_stages(bt, bn + bn2, bc, stages, x.element_size(), max(budget, 0))
+    n_tb = triton.cdiv(L_out, bt)
+    x_src, w_src, w2_src, x_rows = x, w7, w7, 0
+    if tma and C % bc == 0 and _tma_ok(x, w7, bc):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
+        x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C], [x.stride(2), 1], [bt, bc])
+        w_src = TensorDescriptor(w7, [K * C, C], [C, 1], [bc, bn])
+        if bn2:
+            w2_src = TensorDescriptor(w7, [K * C, C], [C, 1], [bc, bn2])
+    else:
+        tma = False
+    so = snake_out if snake_alpha is not None else out
+    opts = {"num_warps": warps}
+    if not interpret:
+        opts["num_stages"] = stages
+        opts["enable_fp_fusion"] = False
+    consts = dict(K=K, DIL=dilation, WRITE_O=write_out, SNAKE=snake_alpha is not None,
+                  ACCURATE_SIN=sin_mode(x.dtype, interpret), BT=bt, BN=bn, BC=bc, BN2=bn2,
+                  DT=_DT_CODE[x.dtype],
+                  IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
+                  UPCAST=interpret and x.dtype != torch.float32, FLAT=bool(flat), **opts)
+
+    def launch(xs, ws, w2s, rows: int, use_tma: bool) -> None:
+        _kernel()[(B * n_tb,)](
+            xs, ws, w2s, b7, alpha2, w1, b1, residual, out,
+            snake_alpha if snake_alpha is not None else alpha2, so,
+            L_out, C, n_tb, rows,
+            *x.stride(), *residual.stride(), *out.stride(), *so.stride(),
+            TMA=use_tma, **consts)
+
+    variant = (x.device.type, x.dtype, stages) + tuple(sorted(consts.items()))
+    if not tma or variant in _TMA_FAILED:
+        launch(x, w7, w7, 0, False)
+    else:
+        try:
+            launch(x_src, w_src, w2_src, x_rows, True)
+        except Exception as e:  # noqa: BLE001 - a descriptor variant this GPU / Triton cannot build
+            _TMA_FAILED.add(variant)
+            log.warning("codec unit: descriptor loads failed for %d channels (%s: %s); pointer loads",
+                        C, type(e).__name__, str(e)[:200])
+            launch(x, w7, w7, 0, False)
+    return out if write_out else None
+
+
+def pack_unit_weights(w7: Tensor, w1: Tensor) -> tuple[Tensor, Tensor]:
+    """nn.Conv1d weights of a unit's two convs, packed for :func:`residual_unit_triton`."""
+    return pack_conv_weight(w7), pack_conv_weight(w1)

@@ -1,0 +1,222 @@
+"""One residual unit of the codec decoder as one kernel (shoal/kernels/codec_unit.py).
+
+Interpreter cases run in a subprocess (tests/interpreter_worker.py): the kernel against the
+two-kernel path it replaces (the k=7 conv, then the k=1 conv with the Snake on its input
+tiles, the residual and the next Snake in its epilogue) and against the PyTorch reference, over
+channel counts of one tile, two tiles and a partly masked second tile, pointer and descriptor
+loads; and the tiny codec decoded in the ``unit`` mode equal to the ``fused`` mode, one-shot
+and streaming. GPU tests skip without CUDA.
+"""
+
+import os
+
+if __name__ == "__main__":  # interpreter worker: must precede the first triton import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+from interpreter_worker import assert_case, report_cases, run_worker
+
+from shoal.kernels import codec_conv as cc
+from shoal.kernels import codec_unit as cu
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (C, dilation, config or None for the default)
+SHAPES = {
+    "one_tile": (32, 9, (16, 32, 16, 4, 2, 0, 0, 0)),
+    "two_tiles": (48, 3, (16, 32, 16, 4, 2, 0, 0, 16)),
+    "two_tiles_tma_flat": (48, 1, (16, 32, 16, 4, 2, 1, 1, 16)),
+    "masked_second_tile": (40, 3, None),
+}
+INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
+                + ["no_out_write", "decoder_unit_equals_fused"])
+
+
+def unit_inputs(C: int, d: int, dt: torch.dtype, seed: int = 0, device: str = "cpu", B: int = 2, L: int = 29):
+    g = torch.Generator().manual_seed(seed)
+    k = 7
+    x = torch.randn(B, L + (k - 1) * d + 3, C, generator=g).to(dt)[:, 3:].transpose(1, 2)
+    w7 = (torch.randn(C, C, k, generator=g) / (C * k) ** 0.5).to(dt)
+    b7 = torch.randn(C, generator=g).to(dt)
+    w1 = (torch.randn(C, C, 1, generator=g) / C ** 0.5).to(dt)
+    b1 = torch.randn(C, generator=g).to(dt)
+    a2 = (torch.rand(C, generator=g) + 0.5).to(dt)
+    an = (torch.rand(C, generator=g) + 0.5).to(dt)
+    h = torch.randn(B, C, L, generator=g).to(dt)
+    return [t.to(device) for t in (x, w7, b7, w1, b1, a2, an, h)]
+
+
+def two_kernels(x, w7, b7, d, a2, w1, b1, h, an, out=None, snake_out=None, write_out=True, config=None):
+    """The ``fused`` mode's two launches for one unit."""
+    a = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w7), b7, d, config=config)
+    return cc.conv1d_cl_triton(a, cc.pack_conv_weight(w1), b1, 1, residual=h, out=out, snake_alpha=an,
+                               snake_out=snake_out, write_out=write_out, pre_snake_alpha=a2)
+
+
+def _unit_case(dt_name: str, shape: str) -> dict:
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
+    C, d, cfg = SHAPES[shape]
+    x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=len(shape))
+    B, L = h.shape[0], h.shape[-1]
+    want_s = torch.empty(B, L, C, dtype=dt).transpose(1, 2)
+    want = two_kernels(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
+    got_s = torch.full_like(want_s, float("nan"))
+    got = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, d, a2, cc.pack_conv_weight(w1), b1, h,
+                                  snake_alpha=an, snake_out=got_s, config=cfg)
+    ref_h, ref_s = cu.residual_unit_ref(x, w7, b7, d, a2, w1, b1, h, an)
+    # fp32: the sums agree to rounding; bf16: the interpreter's matrix products group the k=1
+    # sums by tile, so a result may land one or two bf16 ulps away from the two-kernel path
+    scale = max(want.float().abs().max().item(), want_s.float().abs().max().item())
+    tol = 1e-5 * scale if dt == torch.float32 else 4 * torch.finfo(dt).eps * scale
+    return {"checks": {"h_vs_two_kernels": ((got.float() - want.float()).abs().max().item(), tol),
+                       "snake_vs_two_kernels": ((got_s.float() - want_s.float()).abs().max().item(), tol),
+                       "h_vs_ref": ((got.float() - ref_h.float()).abs().max().item(), 2 * tol),
+                       "snake_vs_ref": ((got_s.float() - ref_s.float()).abs().max().item(), 2 * tol)},
+            "flags": {"snake_all_written": bool(torch.isfinite(got_s).all()),
+                      "channels_last_out": got.stride(1) == 1}}
+
+
+def _no_out_case() -> dict:
+    """``write_out=False`` (the last unit of a block): only the Snake'd output is written, into
+    a view after a context that stays untouched."""
+    x, w7, b7, w1, b1, a2, an, h = unit_inputs(48, 3, torch.float32, seed=7)
+    B, L = h.shape[0], h.shape[-1]
+    buf = torch.full((B, 6 + L, 48), 7.0).transpose(1, 2)
+    r = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, 3, a2, cc.pack_conv_weight(w1), b1, h,
+                                snake_alpha=an, snake_out=buf[..., 6:], write_out=False)
+    _, ref_s = cu.residual_unit_ref(x, w7, b7, 3, a2, w1, b1, h, an)
+    return {"checks": {"snake": ((buf[..., 6:] - ref_s).abs().max().item(), 1e-4)},
+            "flags": {"returns_none": r is None, "context_untouched": bool((buf[..., :6] == 7).all())}}
+
+
+def _decoder_case() -> dict:
+    """The tiny codec in the ``unit`` mode: every unit ran as one kernel, and one-shot and
+    streaming decodes equal the ``fused`` mode's."""
+    from shoal.bench.codec import build_codec, random_codes
+    from shoal.codec import model as codec_model
+    from shoal.codec.streaming import StreamingDecoder
+
+    codec = build_codec(True, torch.device("cpu"))
+    codes = random_codes(2, 6, "cpu", seed=4)
+    outs, calls = {}, []
+    real = codec_model.residual_unit_triton
+    codec_model.residual_unit_triton = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        for mode in ("fused", "unit"):
+            codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode)
+            dec = StreamingDecoder(codec)
+            st = dec.new_state(2)
+            parts = [dec.decode_chunk(codes[:, :, i:i + t], st) for i, t in ((0, 2), (2, 4))]
+            outs[mode] = (codec.decode(codes), torch.cat(parts, -1))
+    finally:
+        codec_model.residual_unit_triton = real
+    units = sum(1 for m in codec.decoder.modules() if type(m).__name__ == "ResidualUnit")
+    (o_f, s_f), (o_u, s_u) = outs["fused"], outs["unit"]
+    return {"checks": {"oneshot": ((o_u - o_f).abs().max().item(), 1e-5),
+                       "stream": ((s_u - s_f).abs().max().item(), 1e-5),
+                       "stream_vs_oneshot": ((s_u - o_u[..., : s_u.shape[-1]]).abs().max().item(), 1e-4)},
+            # one-shot + two streamed chunks, every unit once each
+            "flags": {"every_unit_one_kernel": len(calls) == 3 * units}}
+
+
+def _interp_case(name: str) -> dict:
+    if name == "no_out_write":
+        return _no_out_case()
+    if name == "decoder_unit_equals_fused":
+        return _decoder_case()
+    dt_name, shape = name.split("_", 1)
+    return _unit_case(dt_name, shape)
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    if not cu.HAS_TRITON:
+        pytest.skip("triton not installed")
+    return run_worker(__file__)
+
+
+@pytest.mark.parametrize("name", INTERP_CASES)
+def test_codec_unit_interpreter(interp_results, name):
+    assert_case(interp_results[name], need_any=True)
+
+
+def test_split_tiles():
+    assert cu._split(96) == (64, 32)
+    assert cu._split(192) == (128, 64)
+    assert cu._split(40) == (32, 16)
+    assert cu._split(32) == (32, 0)
+    assert cu._split(64) == (64, 0)
+    for c in range(8, 200, 8):
+        bn, bn2 = cu._split(c)
+        assert bn + bn2 >= c and bn & (bn - 1) == 0 and (bn2 == 0 or bn2 & (bn2 - 1) == 0)
+        assert cu.unit_config(c)[1] + cu.unit_config(c)[7] >= c
+
+
+def test_rejects_bad_shapes():
+    if not cu.HAS_TRITON:
+        pytest.skip("triton not installed")
+    x, w7, b7, w1, b1, a2, an, h = unit_inputs(32, 1, torch.float32)
+    with pytest.raises(ValueError, match="packed"):
+        cu.residual_unit_triton(x, w7, b7, 1, a2, cc.pack_conv_weight(w1), b1, h)
+    with pytest.raises(ValueError, match="residual"):
+        cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, 1, a2, cc.pack_conv_weight(w1), b1, h[..., 1:])
+    with pytest.raises(ValueError, match="Snake output"):
+        cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, 1, a2, cc.pack_conv_weight(w1), b1, h,
+                                write_out=False)
+    big = torch.zeros(1, 256, 20).transpose(1, 2).contiguous().transpose(1, 2)
+    wb = torch.zeros(7, 256, 256)
+    with pytest.raises(ValueError, match="does not fit"):
+        cu.residual_unit_triton(big, wb, None, 1, torch.ones(256), torch.zeros(1, 256, 256), None,
+                                torch.zeros(1, 256, 14))
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("tma", [0, 1])
+@pytest.mark.parametrize("C,d,B,L", [(96, 9, 16, 4096), (192, 1, 8, 2000), (96, 3, 1, 333), (192, 3, 3, 777)])
+def test_gpu_unit_equals_two_kernels(tma, C, d, B, L):
+    """On the GPU the unit kernel writes the bits of the two-kernel path (its k=1 sums run
+    over the input channels in the same order), Snake'd output into a view after a context."""
+    dt = torch.bfloat16
+    x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=C + d, device="cuda", B=B, L=L)
+    want_s = torch.empty(B, L, C, dtype=dt, device="cuda").transpose(1, 2)
+    want = two_kernels(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
+    buf = torch.full((B, 6 + L, C), float("nan"), dtype=dt, device="cuda").transpose(1, 2)
+    cfg = cu.unit_config(C)
+    got = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, d, a2, cc.pack_conv_weight(w1), b1, h,
+                                  snake_alpha=an, snake_out=buf[..., 6:], config=cfg[:5] + (tma,) + cfg[6:])
+    assert torch.isfinite(buf[..., 6:]).all()
+    diff = (got.float() - want.float()).abs()
+    ulps = (diff / (want.float().abs() * torch.finfo(dt).eps).clamp_min(1e-30)).max().item()
+    assert torch.equal(got, want), f"max diff {diff.max().item()} ({ulps:.1f} relative ulps)"
+    assert torch.equal(buf[..., 6:], want_s)
+
+
+@gpu
+def test_gpu_graphed_unit_decoder_equals_fused():
+    """The real-size serving decoder in the ``unit`` mode (graphs, row groups) gives the
+    ``fused`` mode's audio."""
+    from unittest import mock
+
+    from shoal.bench.codec import build_codec, random_codes
+    from shoal.codec.streaming import serving_decoder
+
+    codec = build_codec(False, torch.device("cuda")).to(torch.bfloat16)
+    codes = random_codes(4, 24, "cuda", seed=9)
+    outs = {}
+    for mode in ("fused", "unit"):
+        with mock.patch.dict(os.environ, {"SHOAL_CODEC_CONV_EPILOGUE": mode}):
+            dec = serving_decoder(codec, max_batch=4)
+            st = dec.new_state(4)
+            outs[mode] = torch.cat([dec.decode_chunk(codes[:, :, i:i + 8], st) for i in (0, 8, 16)], -1)
+    diff = (outs["unit"].float() - outs["fused"].float()).abs().max().item()
+    assert torch.equal(outs["unit"], outs["fused"]), diff
+
+
+if __name__ == "__main__":
+    report_cases(INTERP_CASES, _interp_case)
