@@ -30,6 +30,7 @@ BACKENDS = {"cudnn_ncl": {"channels_last": False, "triton_conv": False},
             "triton_epilogue": {"channels_last": True, "triton_conv": True, "snake_epilogue": True},
             "triton_epilogue_k1": {"channels_last": True, "triton_conv": True, "snake_epilogue": "k1"},
             "triton_fused": {"channels_last": True, "triton_conv": True, "snake_epilogue": "fused"},
+            "triton_unit": {"channels_last": True, "triton_conv": True, "snake_epilogue": "unit"},
             "triton_tiled_snake": {"channels_last": True, "triton_conv": True, "snake_epilogue": False},
             "triton_accurate_sin": {"channels_last": True, "triton_conv": True, "snake_epilogue": False}}
 # environment a backend runs under (restored after it)
