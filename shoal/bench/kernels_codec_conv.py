@@ -39,6 +39,7 @@ BACKEND_ENV = {"triton_tiled_snake": {"SHOAL_SNAKE_FLAT": "0"},
 
 # the decoder's Snake sites: (channels, samples per frame) at its four rates (44.1 kHz / 2048-sample frames)
 SNAKE_SITES = ((1536, 4), (768, 32), (384, 256), (192, 1024), (96, 2048))
+SAMPLES_PER_FRAME_AT = {c: n for c, n in SNAKE_SITES}
 
 _TILES = [  # (BT, BN, BC, warps, stages)
     (128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
@@ -141,6 +142,65 @@ def bench_conv(shape: dict, dtype, configs) -> dict:
         res[key.replace("_us", "_tflops")] = flops / res[key] / 1e6
     if best:
         res["triton_best_tflops"] = flops / best["us"] / 1e6
+    return res
+
+
+# residual-unit kernel tiles: (BT, BN, BC, warps, stages, TMA, FLAT, BN2) with BN + BN2 = C
+UNIT_CONFIGS = {
+    96: [(128, 64, 32, 8, 4, 1, 1, 32), (128, 64, 32, 4, 4, 1, 1, 32), (256, 64, 32, 8, 4, 1, 1, 32),
+         (256, 64, 32, 8, 3, 1, 1, 32), (128, 64, 32, 8, 6, 1, 1, 32), (64, 64, 32, 4, 4, 1, 1, 32),
+         (128, 64, 32, 8, 4, 1, 0, 32)],
+    192: [(128, 128, 32, 8, 3, 1, 1, 64), (128, 128, 64, 8, 2, 1, 1, 64), (64, 128, 32, 4, 4, 1, 1, 64),
+          (64, 128, 64, 4, 3, 1, 1, 64), (128, 128, 32, 8, 4, 1, 1, 64), (64, 128, 32, 8, 4, 1, 1, 64),
+          (128, 128, 32, 8, 3, 1, 0, 64)],
+}
+
+
+def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, configs=None) -> dict:
+    """One residual unit at a real call's size: the ``fused`` mode's two kernels (k7 conv; k1
+    conv with the Snake on its input tiles, residual and next-Snake epilogue) against the
+    one-kernel unit over ``configs`` (CUDA-graph replay; bit equality checked)."""
+    from ..kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
+    from ..kernels.codec_unit import residual_unit_triton
+
+    dev = torch.device("cuda")
+    k, pad = 7, 6 * dilation
+    x = torch.randn(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)
+    w7 = pack_conv_weight(torch.randn(C, C, k, device=dev, dtype=dtype) / (C * k) ** 0.5)
+    w1 = pack_conv_weight(torch.randn(C, C, 1, device=dev, dtype=dtype) / C ** 0.5)
+    b7, b1 = (torch.randn(C, device=dev, dtype=dtype) for _ in range(2))
+    a2, an = (torch.rand(C, device=dev, dtype=dtype) + 0.5 for _ in range(2))
+    h = torch.randn(B, L, C, device=dev, dtype=dtype).transpose(1, 2)
+    h_new = torch.empty_like(h)
+    nbuf = torch.empty(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)
+    body = nbuf[..., pad:]
+
+    def two():
+        a = conv1d_cl_triton(x, w7, b7, dilation)
+        conv1d_cl_triton(a, w1, b1, 1, residual=h, out=h_new, snake_alpha=an, snake_out=body, pre_snake_alpha=a2)
+
+    two()
+    want_h, want_s = h_new.clone(), body.clone()
+    res = {"c": C, "batch": B, "l": L, "dilation": dilation,
+           "gflop": 2.0 * B * L * C * C * (k + 1) / 1e9, "two_kernels_us": graph_time_us(two), "unit": []}
+    best = None
+    for cfg in configs or UNIT_CONFIGS.get(C, []):
+        try:
+            h_new.fill_(float("nan"))
+            residual_unit_triton(x, w7, b7, dilation, a2, w1, b1, h, out=h_new, snake_alpha=an,
+                                 snake_out=body, config=cfg)
+            same = bool(torch.equal(h_new, want_h) and torch.equal(body, want_s))
+            maxdiff = (h_new.float() - want_h.float()).abs().max().item()
+            us = graph_time_us(lambda: residual_unit_triton(x, w7, b7, dilation, a2, w1, b1, h, out=h_new,
+                                                            snake_alpha=an, snake_out=body, config=cfg))
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers for a tile
+            res["unit"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            continue
+        cell = {"config": cfg, "us": us, "bit_equal": same, "max_diff": maxdiff}
+        res["unit"].append(cell)
+        if best is None or us < best["us"]:
+            best = cell
+    res["unit_best"] = best
     return res
 
 
@@ -308,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                                                       "loads), table (the shipped config) or split (the shipped "
                                                       "config and two-tile BN + BN2 configs)")
     p.add_argument("--channels", default="", help="only convs with these output channel counts (comma list)")
+    p.add_argument("--units", default="", help="time the one-kernel residual unit against the two convs at "
+                                                "these channel counts (comma list, e.g. 96,192) for the "
+                                                "first point's call, then exit")
     p.add_argument("--min-k", type=int, default=1, help="only convs with at least this many taps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -332,6 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     def save():
         path.write_text(json.dumps(out, indent=1, default=str))
 
+    if args.units:
+        B, T = points[0]
+        out["units"] = []
+        for C in ints(args.units):
+            for d in (1, 3, 9):
+                r = bench_unit(C, B, T * SAMPLES_PER_FRAME_AT[C], d, dtype)
+                out["units"].append(r)
+                bst = r.get("unit_best") or {}
+                log(f"unit C={C} d={d} B={B} T={T}: two kernels {r['two_kernels_us']:.1f} us, unit "
+                    f"{bst.get('us', float('nan')):.1f} us {bst.get('config')} bit_equal={bst.get('bit_equal')}")
+                for c in r["unit"]:
+                    log(f"    {c}")
+                save()
+        return 0
     if "snake" not in skip:
         B, T = points[0]
         out["snake"] = snake_sweep(B, T, dev, dtype)
