@@ -96,7 +96,8 @@ class Decoder(StreamingModule):
         # as it loads them, and each block's transposed-conv GEMM adds its bias and the first
         # Snake in its epilogue: no separate Snake kernels inside the blocks, no Snake'd copies
         # written; the Snake before the first block stays a kernel), or "unit" (as "fused", each
-        # residual unit of at most 192 channels one kernel: shoal.kernels.codec_unit)
+        # residual unit of at most 192 channels one kernel where verified, see
+        # shoal.kernels.codec_unit.unit_supported; the rest as "k1")
         self.snake_epilogue: bool | str = False
         # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
         # run over groups of streams holding at most N decoder-input positions (streams x 4 x
@@ -203,7 +204,7 @@ class Decoder(StreamingModule):
             # tensor a local name still holds
             ct.save_context(buf, state)
             c7 = units[0][1]
-            fused = self.snake_epilogue in ("fused", "unit")
+            fused = self.snake_epilogue == "fused"
             if fused:  # bias and Snake in the GEMM's epilogue
                 n = (buf.shape[-1] - 1) * ct.stride
                 h = self._act(buf, (buf.shape[0], ct.conv.out_channels, n))
@@ -220,7 +221,7 @@ class Decoder(StreamingModule):
                 snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
                 del y
             # "unit": each residual unit of at most MAX_UNIT_CHANNELS channels is one kernel
-            one_kernel = self.snake_epilogue == "unit" and unit_supported(h.shape[1])
+            one_kernel = self.snake_epilogue == "unit" and unit_supported(h.shape[1], h)
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
                 if one_kernel:
@@ -237,7 +238,7 @@ class Decoder(StreamingModule):
                 if fused:  # the k1 conv Snakes its input tiles itself
                     s2 = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
                     pre_alpha = snake2.alpha
-                elif self.snake_epilogue == "k1":  # a k7 tile's Snake epilogue costs more than the kernel
+                elif self.snake_epilogue in ("k1", "unit"):  # a k7 tile's Snake epilogue costs more than the kernel
                     s2 = self._act(h)
                     a = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
                     snake_op(a, snake2.alpha, out=s2)
@@ -609,9 +610,9 @@ class Codec(nn.Module):
         (residual add, new residual stream and the next Snake in one epilogue), the k=7 convs'
         Snakes stay separate kernels; ``"fused"``: ``"k1"`` with each k=7 conv's Snake applied by
         the k=1 conv to its input tiles and each block's bias + first Snake in the transposed
-        conv's GEMM epilogue (no separate Snake kernels inside the blocks); ``"unit"``: ``"fused"``
-        with each residual unit of up to 192 channels one kernel (``shoal.kernels.codec_unit``:
-        the k=7 conv's output stays on chip). ``group_positions``: the decoder's blocks after the first
+        conv's GEMM epilogue (no separate Snake kernels inside the blocks); ``"unit"``: ``"k1"``
+        with each residual unit that ``shoal.kernels.codec_unit.unit_supported`` accepts one
+        kernel (the k=7 conv's output stays on chip). ``group_positions``: the decoder's blocks after the first
         run over groups of streams of at most this many input positions (streams x 4 x frames;
         ``None``: no groups; left unchanged when not given): the same numbers, a bounded
         activation peak (see ``Decoder.row_groups``); ``group_head_blocks``: how many decoder
