@@ -624,20 +624,20 @@ def test_snake_epilogue_modes_parse(monkeypatch):
 
     codec = build_codec(True, torch.device("cpu"))
     for given, stored in ((True, True), ("all", True), ("k1", "k1"), ("K1", "k1"), ("none", False), (False, False),
-                          (1, True), (0, False), ("fused", "fused"), ("FUSED", "fused")):
+                          (1, True), (0, False), ("fused", "fused"), ("FUSED", "fused"), ("unit", "unit")):
         codec.configure_serving(snake_epilogue=given)
         assert codec.decoder.snake_epilogue == stored
     with pytest.raises(ValueError, match="snake_epilogue"):
         codec.configure_serving(snake_epilogue="k7")
-    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "k1"),
-                      ("fused", "fused")):
+    for env, mode in (("0", False), ("1", True), ("k1", "k1"), ("K1", "k1"), ("off", False), ("", "unit"),
+                      ("fused", "fused"), ("unit", "unit")):
         monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", env)
         assert snake_epilogue_mode() == mode
     monkeypatch.setenv("SHOAL_CODEC_CONV_EPILOGUE", "kl")
     with pytest.raises(ValueError, match="SHOAL_CODEC_CONV_EPILOGUE"):
         snake_epilogue_mode()
     monkeypatch.delenv("SHOAL_CODEC_CONV_EPILOGUE")
-    assert snake_epilogue_mode() == "k1"  # the serving default
+    assert snake_epilogue_mode() == "unit"  # the serving default
 
 
 @gpu

@@ -437,22 +437,24 @@ class GraphedStreamingDecoder(StreamingDecoder):
 
 
 def snake_epilogue_mode() -> bool | str:
-    """The serving decoder's Snake placement, ``SHOAL_CODEC_CONV_EPILOGUE``: ``k1`` (default)
+    """The serving decoder's Snake placement, ``SHOAL_CODEC_CONV_EPILOGUE``: ``k1``
     the k=1 convs' residual + Snake epilogues with the k=7 convs' Snakes as separate kernels,
     ``0`` separate Snake kernels only, ``1`` every Snake in a conv epilogue, ``fused`` the k=1
     epilogues, each k=7 conv's Snake applied by the k=1 conv to the tiles it loads, and each
     block's bias + first Snake in its transposed-conv GEMM's epilogue (see
     ``Codec.configure_serving``; all four give the same bits), ``unit`` as ``k1`` with each
     residual unit that :func:`shoal.kernels.codec_unit.unit_supported` accepts one kernel (the
-    same function, summed as the k=1 kernel sums). ``k1`` was the fastest or tied at every measured
-    call size on an H200 (docs/benchmarks.md, 2026-12-02)."""
-    v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "k1").strip().lower()
-    if v in ("k1", ""):
+    same function, summed as the k=1 kernel sums; the default). ``k1`` was the fastest of the
+    first four at every measured call size on an H200 (docs/benchmarks.md, 2026-12-02); ``unit``
+    gives its bits and took a 64 x 32-frame call from 51.3 to 49.3 ms on an H100 (2026-12-05).
+    Unset or empty: ``unit``."""
+    v = os.environ.get("SHOAL_CODEC_CONV_EPILOGUE", "unit").strip().lower()
+    if v in ("unit", ""):
+        return "unit"
+    if v == "k1":
         return "k1"
     if v == "fused":  # k1 plus the Snakes in the k=1 prologues and the GEMM epilogues (opt-in)
         return "fused"
-    if v == "unit":  # k1, with each verified residual unit (192 channels) one kernel (opt-in)
-        return "unit"
     if v in ("1", "true", "yes", "on", "all"):
         return True
     if v in ("0", "false", "no", "off", "none"):
