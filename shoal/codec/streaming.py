@@ -556,8 +556,9 @@ def serving_decoder(codec: Codec, graphs: bool | None = None, **kwargs) -> Strea
     (``graphs=False`` or ``SHOAL_CODEC_GRAPHS=0``), else the eager :class:`StreamingDecoder`.
     On CUDA a bf16 / fp16 codec's convolutions run as the Triton implicit-GEMM kernels
     (:mod:`shoal.kernels.codec_conv`, channels-last, the k=1 convs' Snakes in their epilogues,
-    the rest in the separate fused Snake kernel; ``SHOAL_CODEC_CONV_EPILOGUE=0|1|fused`` for
-    none / all in epilogues / the opt-in fused Snakes, see :func:`snake_epilogue_mode`);
+    the rest in the separate fused Snake kernel, and each 192-channel residual unit one kernel,
+    :mod:`shoal.kernels.codec_unit`; ``SHOAL_CODEC_CONV_EPILOGUE=k1|0|1|fused`` for no unit
+    kernels / none / all in epilogues / the opt-in fused Snakes, see :func:`snake_epilogue_mode`);
     ``SHOAL_CODEC_TRITON_CONV=1`` forces them for fp32 too, ``=0`` gives cuDNN, with
     ``SHOAL_CODEC_CHANNELS_LAST=0|1`` picking its layout."""
     configure_serving_layout(codec)
