@@ -533,6 +533,18 @@ def test_gpu_conv_matches_reference(dtype, shape):
     assert (out.double() - ref).abs().max().item() <= tol
 
 
+def gpu_conv_inputs(shape: tuple, seed: int):
+    """bf16 CUDA inputs of a conv (B, C_in, C_out, K, dilation, L_out): the generator (for
+    more draws), ``x`` a channels-last view after an 8-sample context, weight, bias, residual."""
+    B, ci, co, k, d, L_out = shape
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(B, L_out + (k - 1) * d + 8, ci, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(torch.bfloat16).cuda()
+    b = torch.randn(co, generator=g).to(torch.bfloat16).cuda()
+    r = torch.randn(B, co, L_out, generator=g).to(torch.bfloat16).cuda()
+    return g, buf[:, 8:].transpose(1, 2), w, b, r
+
+
 @gpu
 @pytest.mark.parametrize("flat", ["0", "1"])
 @pytest.mark.parametrize("shape", [(64, 96, 96, 7, 9, 4096), (3, 192, 192, 7, 1, 1000), (5, 384, 384, 1, 1, 777),
@@ -541,12 +553,7 @@ def test_gpu_tma_conv_is_bit_identical_to_pointer_loads(flat, shape):
     """The tensor-descriptor variant reads the same tiles in the same order: the same bits,
     on an input that is a view after a carried context (as in a streaming call)."""
     B, ci, co, k, d, L_out = shape
-    g = torch.Generator().manual_seed(2)
-    buf = torch.randn(B, L_out + (k - 1) * d + 8, ci, generator=g).to(torch.bfloat16).cuda()
-    x = buf[:, 8:].transpose(1, 2)
-    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(torch.bfloat16).cuda()
-    b = torch.randn(co, generator=g).to(torch.bfloat16).cuda()
-    r = torch.randn(B, co, L_out, generator=g).to(torch.bfloat16).cuda()
+    g, x, w, b, r = gpu_conv_inputs(shape, 2)
     packed = cc.pack_conv_weight(w)
     cfg = tuple(cc.conv_config(ci, co, L_out, k)[:5])
     assert cc._tma_ok(x, packed, cfg[2])
@@ -567,12 +574,7 @@ def test_gpu_split_tiles_are_bit_identical(tma, shape, cfg):
     """Two output-channel tiles per program (BN + BN2 = the channel count) write the bits of
     one padded power-of-two tile, residual and Snake epilogue included."""
     B, ci, co, k, d, L_out = shape
-    g = torch.Generator().manual_seed(4)
-    buf = torch.randn(B, L_out + (k - 1) * d + 8, ci, generator=g).to(torch.bfloat16).cuda()
-    x = buf[:, 8:].transpose(1, 2)
-    w = (torch.randn(co, ci, k, generator=g) / (ci * k) ** 0.5).to(torch.bfloat16).cuda()
-    b = torch.randn(co, generator=g).to(torch.bfloat16).cuda()
-    r = torch.randn(B, co, L_out, generator=g).to(torch.bfloat16).cuda()
+    g, x, w, b, r = gpu_conv_inputs(shape, 4)
     alpha = (torch.rand(co, generator=g) + 0.5).to(torch.bfloat16).cuda()
     packed = cc.pack_conv_weight(w)
     bt, bn, bc, warps, stages, flat, bn2 = cfg

@@ -194,8 +194,6 @@ class Decoder(StreamingModule):
         """Blocks ``start:stop`` of :meth:`_forward_triton`: ``buf`` is block ``start``'s
         transposed-conv input (context + Snake'd samples); returns the next conv's input
         buffer (the next block's, or the final conv's)."""
-        m = self.model
-        final_sn, final_conv = m[-3], m[-2]
         for bi in range(start, stop):
             blk = blocks[bi]
             ct, units = blk.block[1], [u.block for u in list(blk.block)[2:]]

@@ -391,6 +391,59 @@ def _tma_ok(x: Tensor, packed: Tensor, bc: int) -> bool:
             and C_in % bc == 0 and (bc * es) % 16 == 0)
 
 
+def conv_outputs(x: Tensor, shape: tuple[int, int, int], out: Tensor | None, snake_alpha: Tensor | None,
+                 snake_out: Tensor | None, write_out: bool) -> Tensor:
+    """The tensor a conv kernel writes its result into: ``out`` checked against ``shape``
+    (``[B, C_out, L_out]``, x's dtype), or a new channels-last one, or ``snake_out`` when only
+    the Snake'd result is written (``write_out=False``); ``snake_out`` checked too."""
+    if snake_alpha is not None:
+        if snake_out is None or tuple(snake_out.shape) != shape or snake_out.dtype != x.dtype:
+            raise ValueError(f"snake_out must be {shape} {x.dtype}")
+        if snake_alpha.numel() != shape[1]:
+            raise ValueError(f"snake_alpha must have {shape[1]} elements")
+    elif not write_out:
+        raise ValueError("write_out=False needs a Snake output")
+    if out is None:
+        return _channels_last_empty(*shape, x) if write_out else snake_out
+    if tuple(out.shape) != shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be {shape} {x.dtype}")
+    return out
+
+
+def tile_operands(x: Tensor, packed: Tensor, bt: int, bc: int, bn: int, bn2: int) -> tuple:
+    """``(x, w, w2, x_rows)`` for a launch with descriptor loads: tensor descriptors of the input
+    (as rows of channels) and of the packed weight for each output-channel tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, C_in, L_in = x.shape
+    K, _, C_out = packed.shape
+    # x as rows of channels: batch b's sample t is row b * x_rows + t (channels-last memory:
+    # one row stride, the batch stride a whole number of rows). A valid output row reads only
+    # its own batch's rows; the tail rows of a tile past L_out may read the next batch's (their
+    # outputs are masked), and rows past the last batch's end read as zeros.
+    x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
+    x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C_in], [x.stride(2), 1], [bt, bc])
+    w_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn])
+    w2_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn2]) if bn2 else packed
+    return x_src, w_src, w2_src, x_rows
+
+
+def launch_with_fallback(launch, variant: tuple, use_tma: bool, tma_args: tuple, plain_args: tuple,
+                         what: str) -> None:
+    """``launch(*tma_args, True)`` when ``use_tma`` and the variant has not failed before, else
+    (or when it raises: a descriptor variant this GPU / Triton cannot build, remembered in
+    ``_TMA_FAILED`` and logged once) ``launch(*plain_args, False)``."""
+    if use_tma and variant not in _TMA_FAILED:
+        try:
+            launch(*tma_args, True)
+            return
+        except Exception as e:  # noqa: BLE001
+            _TMA_FAILED.add(variant)
+            log.warning("%s: descriptor loads failed (%s: %s); it runs on pointer loads",
+                        what, type(e).__name__, str(e)[:200])
+    launch(*plain_args, False)
+
+
 def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: int = 1, *,
                      residual: Tensor | None = None, out: Tensor | None = None,
                      snake_alpha: Tensor | None = None, snake_out: Tensor | None = None,
@@ -429,24 +482,13 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
     L_out = L_in - (K - 1) * dilation
     if L_out < 0:
         raise ValueError(f"input of {L_in} samples is shorter than the receptive field")
+    out = conv_outputs(x, (B, C_out, L_out), out, snake_alpha, snake_out, write_out)
     if snake_alpha is not None:
-        if snake_out is None or tuple(snake_out.shape) != (B, C_out, L_out) or snake_out.dtype != x.dtype:
-            raise ValueError(f"snake_out must be {(B, C_out, L_out)} {x.dtype}")
-        if snake_alpha.numel() != C_out:
-            raise ValueError(f"snake_alpha must have {C_out} elements")
         snake_alpha = snake_alpha.reshape(C_out).contiguous()
-    elif not write_out:
-        raise ValueError("write_out=False needs a Snake output")
     if pre_snake_alpha is not None:
         if pre_snake_alpha.numel() != C_in:
             raise ValueError(f"pre_snake_alpha must have {C_in} elements")
         pre_snake_alpha = pre_snake_alpha.reshape(C_in).contiguous()
-    if out is None and write_out:
-        out = _channels_last_empty(B, C_out, L_out, x)
-    elif out is None:
-        out = snake_out
-    elif tuple(out.shape) != (B, C_out, L_out) or out.dtype != x.dtype:
-        raise ValueError(f"out must be {(B, C_out, L_out)} {x.dtype}")
     if residual is not None and (tuple(residual.shape) != (B, C_out, L_out) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {(B, C_out, L_out)} {x.dtype}")
     if out.numel() == 0:
@@ -465,21 +507,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
             stages = fit_stages(bt, bn + bn2, bc, stages, x.element_size(), _smem_bytes(x.device.index or 0))
     n_tb = triton.cdiv(L_out, bt)
     n_nb = triton.cdiv(C_out, bn + bn2)
-    x_src, w_src, w2_src, x_rows = x, packed, packed, 0
-    if tma and _tma_ok(x, packed, bc):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        # x as rows of channels: batch b's sample t is row b * x_rows + t (channels-last
-        # memory: one row stride, the batch stride a whole number of rows). A valid output row
-        # reads only its own batch's rows; the tail rows of a tile past L_out may read the next
-        # batch's (their outputs are masked), and rows past the last batch's end read as zeros.
-        x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
-        x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C_in], [x.stride(2), 1], [bt, bc])
-        w_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn])
-        if bn2:
-            w2_src = TensorDescriptor(packed, [K * C_in, C_out], [C_out, 1], [bc, bn2])
-    else:
-        tma = False
+    tma = bool(tma) and _tma_ok(x, packed, bc)
     r = residual if residual is not None else out
     opts = {"num_warps": warps}
     if not interpret:
@@ -513,15 +541,7 @@ def conv1d_cl_triton(x: Tensor, packed: Tensor, bias: Tensor | None, dilation: i
             TMA=use_tma, **consts,
         )
 
-    variant = (x.device.type, x.dtype, stages) + tuple(sorted((k, v) for k, v in consts.items()))
-    if not tma or variant in _TMA_FAILED:
-        launch(x, packed, packed, 0, False)
-        return out if write_out else None
-    try:
-        launch(x_src, w_src, w2_src, x_rows, True)
-    except Exception as e:  # noqa: BLE001 - a descriptor variant this GPU / Triton cannot build
-        _TMA_FAILED.add(variant)
-        log.warning("codec conv: descriptor loads failed for a %d-tap %s conv (%s: %s); it runs on "
-                    "pointer loads", K, x.dtype, type(e).__name__, str(e)[:200])
-        launch(x, packed, packed, 0, False)
+    variant = ("conv", x.device.type, x.dtype, stages) + tuple(sorted(consts.items()))
+    launch_with_fallback(launch, variant, tma, (tile_operands(x, packed, bt, bc, bn, bn2) if tma else ()),
+                         (x, packed, packed, 0), f"codec conv ({K}-tap, {x.dtype})")
     return out if write_out else None

@@ -15,8 +15,10 @@ to the storage dtype, applies ``Snake2`` (rounded as the Snake kernel rounds), m
 result by the k=1 weight in registers / shared memory, and ends with the k=1 conv's epilogue
 (bias, residual, ``h'``, the next Snake). The k=1 products are summed over the input channels
 in ascending order, as the k=1 conv kernel's channel loop sums them: on the GPU the result is
-meant to be the bits of the two-kernel path (tested there); under the interpreter, whose
-matrix products group their sums by tile, it agrees to rounding.
+meant to be the bits of the two-kernel path: on an H100 it is at 192 channels (GPU tests), but
+not at 96, which the decoder therefore leaves to the two kernels on GPUs
+(:data:`GPU_EXCLUDED_CHANNELS`). Under the interpreter, whose matrix products group their sums
+by tile, it agrees to rounding.
 
 Inputs follow :func:`shoal.kernels.codec_conv.conv1d_cl_triton`: ``x`` is the k=7 conv's
 input buffer ``[B, C, L_in]`` (left context included, ``Snake1`` already applied, channels-last
@@ -27,19 +29,15 @@ memory); weights are packed ``[K, C_in, C_out]``. :func:`residual_unit_ref` is t
 from __future__ import annotations
 
 import functools
-import logging
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .codec_conv import (_channels_last_empty, _has_tma, _smem_bytes, _tma_ok, fit_stages,
-                         pack_conv_weight)
+from .codec_conv import (_has_tma, _smem_bytes, _tma_ok, conv_outputs, fit_stages, full_config,
+                         launch_with_fallback, tile_operands)
 from .fused import _DT_CODE, _check_dtype, _require_kernel
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 from .snake import sin_mode, snake_ref
-
-log = logging.getLogger(__name__)
 
 __all__ = ["residual_unit_ref", "residual_unit_triton", "unit_config", "unit_supported"]
 
@@ -219,9 +217,6 @@ if HAS_TRITON:
         return _Wrap(_unit_kernel, do_not_specialize=["L_out", "n_tb", "x_rows"])
 
 
-_TMA_FAILED: set[tuple] = set()
-
-
 def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int, alpha2: Tensor,
                          w1: Tensor, b1: Tensor | None, residual: Tensor, *,
                          out: Tensor | None = None, snake_alpha: Tensor | None = None,
@@ -247,20 +242,10 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
         raise ValueError(f"input of {L_in} samples is shorter than the receptive field")
     if tuple(residual.shape) != (B, C, L_out) or residual.dtype != x.dtype:
         raise ValueError(f"residual must be {(B, C, L_out)} {x.dtype}")
-    for name, v in (("alpha2", alpha2), ("snake_alpha", snake_alpha), ("b7", b7), ("b1", b1)):
+    for name, v in (("alpha2", alpha2), ("b7", b7), ("b1", b1)):
         if v is not None and v.numel() != C:
             raise ValueError(f"{name} must have {C} elements")
-    if snake_alpha is not None:
-        if snake_out is None or tuple(snake_out.shape) != (B, C, L_out) or snake_out.dtype != x.dtype:
-            raise ValueError(f"snake_out must be {(B, C, L_out)} {x.dtype}")
-    elif not write_out:
-        raise ValueError("write_out=False needs a Snake output")
-    if out is None and write_out:
-        out = _channels_last_empty(B, C, L_out, x)
-    elif out is None:
-        out = snake_out
-    elif tuple(out.shape) != (B, C, L_out) or out.dtype != x.dtype:
-        raise ValueError(f"out must be {(B, C, L_out)} {x.dtype}")
+    out = conv_outputs(x, (B, C, L_out), out, snake_alpha, snake_out, write_out)
     interpret = _require_kernel(x)
     if out.numel() == 0:
         return out if write_out else None
@@ -272,8 +257,7 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     alpha2 = alpha2.reshape(C).contiguous()
     if snake_alpha is not None:
         snake_alpha = snake_alpha.reshape(C).contiguous()
-    cfg = tuple(config or unit_config(C))
-    bt, bn, bc, warps, stages, tma, flat, bn2 = cfg + (0,) * (8 - len(cfg))
+    bt, bn, bc, warps, stages, tma, flat, bn2 = full_config(config or unit_config(C))
     if bn + bn2 < C:
         raise ValueError(f"tiles {bn} + {bn2} do not cover {C} channels")
     if x.is_cuda and not interpret:
@@ -283,17 +267,7 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
         budget = _smem_bytes(x.device.index or 0) - (C * C + bt * C) * x.element_size()
         stages = fit_stages(bt, bn + bn2, bc, stages, x.element_size(), max(budget, 0))
     n_tb = triton.cdiv(L_out, bt)
-    x_src, w_src, w2_src, x_rows = x, w7, w7, 0
-    if tma and C % bc == 0 and _tma_ok(x, w7, bc):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        x_rows = x.stride(0) // x.stride(2) if B > 1 else 0
-        x_src = TensorDescriptor(x, [(B - 1) * x_rows + L_in, C], [x.stride(2), 1], [bt, bc])
-        w_src = TensorDescriptor(w7, [K * C, C], [C, 1], [bc, bn])
-        if bn2:
-            w2_src = TensorDescriptor(w7, [K * C, C], [C, 1], [bc, bn2])
-    else:
-        tma = False
+    tma = bool(tma) and _tma_ok(x, w7, bc)
     so = snake_out if snake_alpha is not None else out
     opts = {"num_warps": warps}
     if not interpret:
@@ -313,20 +287,7 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
             *x.stride(), *residual.stride(), *out.stride(), *so.stride(),
             TMA=use_tma, **consts)
 
-    variant = (x.device.type, x.dtype, stages) + tuple(sorted(consts.items()))
-    if not tma or variant in _TMA_FAILED:
-        launch(x, w7, w7, 0, False)
-    else:
-        try:
-            launch(x_src, w_src, w2_src, x_rows, True)
-        except Exception as e:  # noqa: BLE001 - a descriptor variant this GPU / Triton cannot build
-            _TMA_FAILED.add(variant)
-            log.warning("codec unit: descriptor loads failed for %d channels (%s: %s); pointer loads",
-                        C, type(e).__name__, str(e)[:200])
-            launch(x, w7, w7, 0, False)
+    variant = ("unit", x.device.type, x.dtype, stages) + tuple(sorted(consts.items()))
+    launch_with_fallback(launch, variant, tma, (tile_operands(x, w7, bt, bc, bn, bn2) if tma else ()),
+                         (x, w7, w7, 0), f"codec unit ({C} channels)")
     return out if write_out else None
-
-
-def pack_unit_weights(w7: Tensor, w1: Tensor) -> tuple[Tensor, Tensor]:
-    """nn.Conv1d weights of a unit's two convs, packed for :func:`residual_unit_triton`."""
-    return pack_conv_weight(w7), pack_conv_weight(w1)
