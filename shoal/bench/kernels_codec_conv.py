@@ -159,9 +159,12 @@ UNIT_CONFIGS = {
 def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, configs=None) -> dict:
     """One residual unit at a real call's size: the ``fused`` mode's two kernels (k7 conv; k1
     conv with the Snake on its input tiles, residual and next-Snake epilogue) against the
-    one-kernel unit over ``configs`` (CUDA-graph replay; bit equality checked)."""
+    one-kernel unit over ``configs`` (CUDA-graph replay; bit equality checked), both also
+    against the ``k1`` mode's three kernels (k7 conv, Snake kernel, k1 conv) and the fp32
+    PyTorch reference (largest differences)."""
     from ..kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
-    from ..kernels.codec_unit import residual_unit_triton
+    from ..kernels.codec_unit import residual_unit_ref, residual_unit_triton
+    from ..kernels.snake import snake as snake_op
 
     dev = torch.device("cuda")
     k, pad = 7, 6 * dilation
@@ -179,24 +182,57 @@ def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, conf
         a = conv1d_cl_triton(x, w7, b7, dilation)
         conv1d_cl_triton(a, w1, b1, 1, residual=h, out=h_new, snake_alpha=an, snake_out=body, pre_snake_alpha=a2)
 
+    def three():  # the ``k1`` mode's path: k7 conv, the Snake kernel, k1 conv with its epilogue
+        a = conv1d_cl_triton(x, w7, b7, dilation)
+        s2 = torch.empty_like(h)
+        snake_op(a, a2, out=s2)
+        conv1d_cl_triton(s2, w1, b1, 1, residual=h, out=h_new, snake_alpha=an, snake_out=body)
+
+    # fp32 PyTorch reference, each step rounded as the kernels round it (no TF32)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        ref_h, ref_s = residual_unit_ref(x, w7.permute(2, 1, 0), b7, dilation, a2, w1.permute(2, 1, 0), b1, h,
+                                         snake_alpha=an)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    three()
+    k1_h, k1_s = h_new.clone(), body.clone()
     two()
     want_h, want_s = h_new.clone(), body.clone()
+
+    def maxdiff(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
     res = {"c": C, "batch": B, "l": L, "dilation": dilation,
-           "gflop": 2.0 * B * L * C * C * (k + 1) / 1e9, "two_kernels_us": graph_time_us(two), "unit": []}
+           "gflop": 2.0 * B * L * C * C * (k + 1) / 1e9, "two_kernels_us": graph_time_us(two),
+           "k1_path_us": graph_time_us(three),
+           "fused_equals_k1_path": bool(torch.equal(want_h, k1_h) and torch.equal(want_s, k1_s)),
+           "fused_vs_ref": maxdiff(want_h, ref_h), "k1_path_vs_ref": maxdiff(k1_h, ref_h),
+           "fused_vs_k1_path": maxdiff(want_h, k1_h), "unit": []}
     best = None
     for cfg in configs or UNIT_CONFIGS.get(C, []):
         try:
             h_new.fill_(float("nan"))
+            body.fill_(float("nan"))
             residual_unit_triton(x, w7, b7, dilation, a2, w1, b1, h, out=h_new, snake_alpha=an,
                                  snake_out=body, config=cfg)
             same = bool(torch.equal(h_new, want_h) and torch.equal(body, want_s))
-            maxdiff = (h_new.float() - want_h.float()).abs().max().item()
+            got_h, got_s = h_new.clone(), body.clone()
+            diff = (h_new.float() - want_h.float()).abs()
+            mdiff = diff.max().item()
+            # per output-channel tile (the first BN channels, then the rest) and the Snake'd copy
+            split = {"first_tile": diff[:, :cfg[1]].max().item(),
+                     "second_tile": diff[:, cfg[1]:].max().item() if C > cfg[1] else 0.0,
+                     "snake_out": (body.float() - want_s.float()).abs().max().item()}
             us = graph_time_us(lambda: residual_unit_triton(x, w7, b7, dilation, a2, w1, b1, h, out=h_new,
                                                             snake_alpha=an, snake_out=body, config=cfg))
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers for a tile
             res["unit"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             continue
-        cell = {"config": cfg, "us": us, "bit_equal": same, "max_diff": maxdiff}
+        cell = {"config": cfg, "us": us, "bit_equal": same, "max_diff": mdiff, "max_diff_by": split,
+                "bit_equal_k1_path": bool(torch.equal(got_h, k1_h) and torch.equal(got_s, k1_s)),
+                "vs_k1_path": maxdiff(got_h, k1_h), "vs_ref": maxdiff(got_h, ref_h)}
         res["unit"].append(cell)
         if best is None or us < best["us"]:
             best = cell
@@ -248,6 +284,8 @@ def profile_call(codec, batch: int, frames: int, dev) -> dict:
         n = e.key.lower()
         if "conv_kernel" in n:
             k = "triton_conv"
+        elif "unit_kernel" in n:
+            k = "triton_unit"
         elif "snake" in n:
             k = "snake"
         elif "conv" in n or "cudnn" in n or "xmma" in n or "implicit" in n or "sm90" in n or "gemm" in n:
@@ -472,9 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"   {us:9.1f} us  {k}")
             save()
     if "profile" not in skip:
-        for name, kw in (("cudnn_ncl", {"channels_last": False, "triton_conv": False}),
-                         ("triton", BACKENDS["triton"])):
-            codec.configure_serving(**kw)
+        for name in args.backends.split(","):
+            codec.configure_serving(**BACKENDS[name])
             B, T = points[0]
             r = profile_call(codec, B, T, dev)
             r["backend"] = name
