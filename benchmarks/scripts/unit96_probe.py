@@ -34,17 +34,25 @@ CANDIDATES = [
 ]
 
 
+# the fused mode's k1 conv (Snake on its input tiles): the table's tile, one stage (no software
+# pipelining of its register-operand MMAs), pointer loads
+FUSED_K1 = [(128, 128, 32, 4, 4, 1, 0), (128, 128, 32, 4, 1, 1, 0), (128, 128, 32, 4, 4, 0, 0),
+            (128, 128, 32, 4, 1, 0, 0), (128, 64, 32, 4, 4, 1, 0, 32)]
+
+
 def main() -> None:
     torch.set_grad_enabled(False)
     tag = sys.argv[1] if len(sys.argv) > 1 else "probe"
     B, L = 64, 32 * 2048
     out = {"gpu": torch.cuda.get_device_name(), "cells": []}
     for d in (1, 9):
-        r = bench_unit(96, B, L, d, configs=CANDIDATES)
+        r = bench_unit(96, B, L, d, configs=CANDIDATES, fused_k1_configs=FUSED_K1)
         out["cells"].append(r)
         print(f"d={d}: two kernels (fused mode) {r['two_kernels_us']:.1f} us, k1 path {r['k1_path_us']:.1f} us; "
               f"fused == k1 path: {r['fused_equals_k1_path']} (max diff {r['fused_vs_k1_path']}); "
               f"against the fp32 reference: fused {r['fused_vs_ref']}, k1 path {r['k1_path_vs_ref']}", flush=True)
+        for c in r["fused_k1"]:
+            print("    fused k1", c, flush=True)
         for c in r["unit"]:
             print("   ", c, flush=True)
     path = os.path.join(os.environ.get("OUT", "."), f"unit96-{tag}.json")

@@ -156,17 +156,19 @@ UNIT_CONFIGS = {
 }
 
 
-def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, configs=None) -> dict:
+def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, configs=None,
+               fused_k1_configs=(), device: str = "cuda") -> dict:
     """One residual unit at a real call's size: the ``fused`` mode's two kernels (k7 conv; k1
     conv with the Snake on its input tiles, residual and next-Snake epilogue) against the
     one-kernel unit over ``configs`` (CUDA-graph replay; bit equality checked), both also
     against the ``k1`` mode's three kernels (k7 conv, Snake kernel, k1 conv) and the fp32
-    PyTorch reference (largest differences)."""
+    PyTorch reference (largest differences). ``fused_k1_configs``: tiles for the ``fused``
+    path's k1 conv (the Snake on its input tiles) checked the same way."""
     from ..kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
     from ..kernels.codec_unit import residual_unit_ref, residual_unit_triton
     from ..kernels.snake import snake as snake_op
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     k, pad = 7, 6 * dilation
     x = torch.randn(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)
     w7 = pack_conv_weight(torch.randn(C, C, k, device=dev, dtype=dtype) / (C * k) ** 0.5)
@@ -210,6 +212,19 @@ def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, conf
            "fused_equals_k1_path": bool(torch.equal(want_h, k1_h) and torch.equal(want_s, k1_s)),
            "fused_vs_ref": maxdiff(want_h, ref_h), "k1_path_vs_ref": maxdiff(k1_h, ref_h),
            "fused_vs_k1_path": maxdiff(want_h, k1_h), "unit": []}
+    res["fused_k1"] = []
+    for cfg in fused_k1_configs:
+        try:
+            a = conv1d_cl_triton(x, w7, b7, dilation)
+            h_new.fill_(float("nan"))
+            body.fill_(float("nan"))
+            conv1d_cl_triton(a, w1, b1, 1, residual=h, out=h_new, snake_alpha=an, snake_out=body,
+                             pre_snake_alpha=a2, config=cfg)
+            res["fused_k1"].append({"config": cfg, "vs_k1_path": maxdiff(h_new, k1_h), "vs_ref": maxdiff(h_new, ref_h),
+                                    "bit_equal_k1_path": bool(torch.equal(h_new, k1_h) and torch.equal(body, k1_s))})
+            del a
+        except Exception as e:  # noqa: BLE001
+            res["fused_k1"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
     best = None
     for cfg in configs or UNIT_CONFIGS.get(C, []):
         try:
