@@ -29,7 +29,10 @@ SHAPES = {
     "two_tiles_tma_flat": (48, 1, (16, 32, 16, 4, 2, 1, 1, 16)),
     "masked_second_tile": (40, 3, None),
 }
+# the k=1 conv transposed (k1_trans: the Snake'd tiles as the MMAs' second operand)
+TRANS_SHAPES = ("two_tiles", "masked_second_tile", "one_tile")
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
+                + [f"{dt}_{s}_k1trans" for dt in ("fp32", "bf16") for s in TRANS_SHAPES]
                 + ["no_out_write", "decoder_unit_equals_k1"])
 
 
@@ -56,6 +59,8 @@ def two_kernels(x, w7, b7, d, a2, w1, b1, h, an, out=None, snake_out=None, write
 
 def _unit_case(dt_name: str, shape: str) -> dict:
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
+    k1_trans = shape.endswith("_k1trans")
+    shape = shape.removesuffix("_k1trans")
     C, d, cfg = SHAPES[shape]
     x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=len(shape))
     B, L = h.shape[0], h.shape[-1]
@@ -63,7 +68,7 @@ def _unit_case(dt_name: str, shape: str) -> dict:
     want = two_kernels(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
     got_s = torch.full_like(want_s, float("nan"))
     got = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, d, a2, cc.pack_conv_weight(w1), b1, h,
-                                  snake_alpha=an, snake_out=got_s, config=cfg)
+                                  snake_alpha=an, snake_out=got_s, config=cfg, k1_trans=k1_trans)
     ref_h, ref_s = cu.residual_unit_ref(x, w7, b7, d, a2, w1, b1, h, an)
     # fp32: the sums agree to rounding; bf16: the interpreter's matrix products group the k=1
     # sums by tile, so a result may land one or two bf16 ulps away from the two-kernel path
@@ -184,27 +189,58 @@ def test_rejects_bad_shapes():
 # --------------------------------------------------------------------------------------
 
 
+def k1_path(x, w7, b7, d, a2, w1, b1, h, an, snake_out):
+    """The ``k1`` mode's three launches for one unit (what the unit kernel replaces in the
+    serving decoder): the k7 conv, the Snake kernel, the k1 conv with the residual and the
+    next Snake in its epilogue."""
+    from shoal.kernels.snake import snake
+
+    a = cc.conv1d_cl_triton(x, cc.pack_conv_weight(w7), b7, d)
+    s2 = torch.empty_like(h)
+    snake(a, a2, out=s2)
+    return cc.conv1d_cl_triton(s2, cc.pack_conv_weight(w1), b1, 1, residual=h, snake_alpha=an,
+                               snake_out=snake_out)
+
+
 @gpu
+@pytest.mark.parametrize("k1_trans", [False, True])
 @pytest.mark.parametrize("tma", [0, 1])
 @pytest.mark.parametrize("C,d,B,L", [(96, 9, 16, 4096), (192, 1, 8, 2000), (96, 3, 1, 333), (192, 3, 3, 777)])
-def test_gpu_unit_equals_two_kernels(tma, C, d, B, L):
-    if C in cu.GPU_EXCLUDED_CHANNELS:
+def test_gpu_unit_equals_k1_path(k1_trans, tma, C, d, B, L):
+    """On the GPU the unit kernel writes the bits of the ``k1`` mode's kernels (its k=1 sums
+    run over the input channels in the same order), Snake'd output into a view after a
+    context."""
+    if C in cu.GPU_EXCLUDED_CHANNELS and not k1_trans:
         pytest.xfail(f"{C} channels: the unit kernel differs on the GPU (GPU_EXCLUDED_CHANNELS)")
-    """On the GPU the unit kernel writes the bits of the two-kernel path (its k=1 sums run
-    over the input channels in the same order), Snake'd output into a view after a context."""
     dt = torch.bfloat16
     x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=C + d, device="cuda", B=B, L=L)
     want_s = torch.empty(B, L, C, dtype=dt, device="cuda").transpose(1, 2)
-    want = two_kernels(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
+    want = k1_path(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
     buf = torch.full((B, 6 + L, C), float("nan"), dtype=dt, device="cuda").transpose(1, 2)
     cfg = cu.unit_config(C)
     got = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, d, a2, cc.pack_conv_weight(w1), b1, h,
-                                  snake_alpha=an, snake_out=buf[..., 6:], config=cfg[:5] + (tma,) + cfg[6:])
+                                  snake_alpha=an, snake_out=buf[..., 6:], config=cfg[:5] + (tma,) + cfg[6:],
+                                  k1_trans=k1_trans)
     assert torch.isfinite(buf[..., 6:]).all()
     diff = (got.float() - want.float()).abs()
     ulps = (diff / (want.float().abs() * torch.finfo(dt).eps).clamp_min(1e-30)).max().item()
     assert torch.equal(got, want), f"max diff {diff.max().item()} ({ulps:.1f} relative ulps)"
     assert torch.equal(buf[..., 6:], want_s)
+
+
+@gpu
+@pytest.mark.parametrize("C,d,B,L", [(96, 9, 16, 4096), (192, 1, 8, 2000)])
+def test_gpu_fused_k1_conv_equals_k1_path(C, d, B, L):
+    """The ``fused`` mode's k1 conv (the Snake applied to its input tiles) against the ``k1``
+    mode's separate Snake kernel + k1 conv."""
+    dt = torch.bfloat16
+    x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=C + d, device="cuda", B=B, L=L)
+    want_s = torch.empty(B, L, C, dtype=dt, device="cuda").transpose(1, 2)
+    want = k1_path(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
+    got_s = torch.empty_like(want_s)
+    got = two_kernels(x, w7, b7, d, a2, w1, b1, h, an, snake_out=got_s)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
+    assert torch.equal(got_s, want_s)
 
 
 @gpu

@@ -31,6 +31,10 @@ CANDIDATES = [
     (128, 64, 16, 4, 4, 1, 1, 32),   # 16-channel K slices
     (64, 64, 32, 4, 4, 0, 0, 32),
     (64, 64, 32, 4, 4, 1, 1, 32),
+    # the k=1 conv transposed (ninth field): the Snake'd tiles as the MMAs' second operand
+    (128, 64, 32, 4, 4, 1, 1, 32, 1),
+    (64, 64, 32, 4, 4, 1, 1, 32, 1),
+    (128, 128, 32, 4, 4, 1, 1, 0, 1),
 ]
 
 

@@ -227,11 +227,13 @@ def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, conf
             res["fused_k1"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
     best = None
     for cfg in configs or UNIT_CONFIGS.get(C, []):
+        # a ninth field set: the k=1 conv transposed (``residual_unit_triton(k1_trans=True)``)
+        cfg, k1_trans = tuple(cfg[:8]), bool(cfg[8]) if len(cfg) > 8 else False
         try:
             h_new.fill_(float("nan"))
             body.fill_(float("nan"))
             residual_unit_triton(x, w7, b7, dilation, a2, w1, b1, h, out=h_new, snake_alpha=an,
-                                 snake_out=body, config=cfg)
+                                 snake_out=body, config=cfg, k1_trans=k1_trans)
             same = bool(torch.equal(h_new, want_h) and torch.equal(body, want_s))
             got_h, got_s = h_new.clone(), body.clone()
             diff = (h_new.float() - want_h.float()).abs()
@@ -241,11 +243,12 @@ def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, conf
                      "second_tile": diff[:, cfg[1]:].max().item() if C > cfg[1] else 0.0,
                      "snake_out": (body.float() - want_s.float()).abs().max().item()}
             us = graph_time_us(lambda: residual_unit_triton(x, w7, b7, dilation, a2, w1, b1, h, out=h_new,
-                                                            snake_alpha=an, snake_out=body, config=cfg))
+                                                            snake_alpha=an, snake_out=body, config=cfg,
+                                                            k1_trans=k1_trans))
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory or registers for a tile
-            res["unit"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+            res["unit"].append({"config": cfg, "k1_trans": k1_trans, "error": f"{type(e).__name__}: {str(e)[:160]}"})
             continue
-        cell = {"config": cfg, "us": us, "bit_equal": same, "max_diff": mdiff, "max_diff_by": split,
+        cell = {"config": cfg, "k1_trans": k1_trans, "us": us, "bit_equal": same, "max_diff": mdiff, "max_diff_by": split,
                 "bit_equal_k1_path": bool(torch.equal(got_h, k1_h) and torch.equal(got_s, k1_s)),
                 "vs_k1_path": maxdiff(got_h, k1_h), "vs_ref": maxdiff(got_h, ref_h)}
         res["unit"].append(cell)

@@ -131,6 +131,7 @@ if HAS_TRITON:
         UPCAST: tl.constexpr,
         FLAT: tl.constexpr,
         TMA: tl.constexpr,
+        K1_TRANS: tl.constexpr = False,
     ):
         pid = tl.program_id(0).to(tl.int64)
         tb = pid % n_tb
@@ -184,24 +185,46 @@ if HAS_TRITON:
                     acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
         # ---- Snake2 of the k=7 result, kept on chip in the storage dtype
         s1 = _mid(acc, b7_ptr, p_ptr, n, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
-        # ---- the k=1 conv over the input channels in ascending order, then its epilogue
-        v_aa = tl.load(v_ptr + n[:, None] * C + n[None, :], mask=nm[:, None] & nm[None, :], other=0.0)
-        out1 = _mma(s1, v_aa, tl.zeros((BT, BN), dtype=tl.float32), IEEE, UPCAST)
-        if BN2 > 0:
-            s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
-            v_ba = tl.load(v_ptr + n2[:, None] * C + n[None, :], mask=nm2[:, None] & nm[None, :], other=0.0)
-            out1 = _mma(s2, v_ba, out1, IEEE, UPCAST)
-        _epilogue(out1, b, t, n, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
-                  srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
-                  True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
-        if BN2 > 0:
-            v_ab = tl.load(v_ptr + n[:, None] * C + n2[None, :], mask=nm[:, None] & nm2[None, :], other=0.0)
-            v_bb = tl.load(v_ptr + n2[:, None] * C + n2[None, :], mask=nm2[:, None] & nm2[None, :], other=0.0)
-            out2 = _mma(s1, v_ab, tl.zeros((BT, BN2), dtype=tl.float32), IEEE, UPCAST)
-            out2 = _mma(s2, v_bb, out2, IEEE, UPCAST)
-            _epilogue(out2, b, t, n2, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+        if K1_TRANS:
+            # the k=1 conv transposed, out^T = W1^T @ Snake2^T: the Snake'd tiles are the MMAs'
+            # second operand (shared memory), the k=1 weight's transposed tiles the first. Same
+            # products, summed over the input channels in the same ascending order.
+            vt_aa = tl.load(v_ptr + n[None, :] * C + n[:, None], mask=nm[None, :] & nm[:, None], other=0.0)
+            o1 = _mma(vt_aa, tl.trans(s1), tl.zeros((BN, BT), dtype=tl.float32), IEEE, UPCAST)
+            if BN2 > 0:
+                s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
+                vt_ab = tl.load(v_ptr + n2[None, :] * C + n[:, None], mask=nm2[None, :] & nm[:, None], other=0.0)
+                o1 = _mma(vt_ab, tl.trans(s2), o1, IEEE, UPCAST)
+            _epilogue(tl.trans(o1), b, t, n, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
                       srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
                       True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+            if BN2 > 0:
+                vt_ba = tl.load(v_ptr + n[None, :] * C + n2[:, None], mask=nm[None, :] & nm2[:, None], other=0.0)
+                vt_bb = tl.load(v_ptr + n2[None, :] * C + n2[:, None], mask=nm2[None, :] & nm2[:, None], other=0.0)
+                o2 = _mma(vt_ba, tl.trans(s1), tl.zeros((BN2, BT), dtype=tl.float32), IEEE, UPCAST)
+                o2 = _mma(vt_bb, tl.trans(s2), o2, IEEE, UPCAST)
+                _epilogue(tl.trans(o2), b, t, n2, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                          srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                          True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+        else:
+            # ---- the k=1 conv over the input channels in ascending order, then its epilogue
+            v_aa = tl.load(v_ptr + n[:, None] * C + n[None, :], mask=nm[:, None] & nm[None, :], other=0.0)
+            out1 = _mma(s1, v_aa, tl.zeros((BT, BN), dtype=tl.float32), IEEE, UPCAST)
+            if BN2 > 0:
+                s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
+                v_ba = tl.load(v_ptr + n2[:, None] * C + n[None, :], mask=nm2[:, None] & nm[None, :], other=0.0)
+                out1 = _mma(s2, v_ba, out1, IEEE, UPCAST)
+            _epilogue(out1, b, t, n, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                      srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                      True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
+            if BN2 > 0:
+                v_ab = tl.load(v_ptr + n[:, None] * C + n2[None, :], mask=nm[:, None] & nm2[None, :], other=0.0)
+                v_bb = tl.load(v_ptr + n2[:, None] * C + n2[None, :], mask=nm2[:, None] & nm2[None, :], other=0.0)
+                out2 = _mma(s1, v_ab, tl.zeros((BT, BN2), dtype=tl.float32), IEEE, UPCAST)
+                out2 = _mma(s2, v_bb, out2, IEEE, UPCAST)
+                _epilogue(out2, b, t, n2, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+                          srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
+                          True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
 
     if triton_interpreting():
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
@@ -221,11 +244,12 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                          w1: Tensor, b1: Tensor | None, residual: Tensor, *,
                          out: Tensor | None = None, snake_alpha: Tensor | None = None,
                          snake_out: Tensor | None = None, write_out: bool = True,
-                         config: tuple[int, ...] | None = None) -> Tensor | None:
+                         config: tuple[int, ...] | None = None, k1_trans: bool = False) -> Tensor | None:
     """One residual unit (see the module docstring); ``w7`` / ``w1`` packed by
     :func:`pack_conv_weight` (``[7, C, C]`` / ``[1, C, C]``). Writes ``h'`` into ``out`` (or a
     new channels-last tensor; skipped with ``write_out=False``) and ``Snake_snake_alpha(h')``
-    into ``snake_out`` (any strides: the next conv's input buffer after its context)."""
+    into ``snake_out`` (any strides: the next conv's input buffer after its context).
+    ``k1_trans`` runs the k=1 conv transposed (the Snake'd tiles as the MMAs' second operand)."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -277,7 +301,8 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                   ACCURATE_SIN=sin_mode(x.dtype, interpret), BT=bt, BN=bn, BC=bc, BN2=bn2,
                   DT=_DT_CODE[x.dtype],
                   IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
-                  UPCAST=interpret and x.dtype != torch.float32, FLAT=bool(flat), **opts)
+                  UPCAST=interpret and x.dtype != torch.float32, FLAT=bool(flat), K1_TRANS=bool(k1_trans),
+                  **opts)
 
     def launch(xs, ws, w2s, rows: int, use_tma: bool) -> None:
         _kernel()[(B * n_tb,)](
