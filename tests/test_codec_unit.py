@@ -203,15 +203,17 @@ def k1_path(x, w7, b7, d, a2, w1, b1, h, an, snake_out):
 
 
 @gpu
-@pytest.mark.parametrize("k1_trans", [False, True])
+@pytest.mark.parametrize("k1_trans", [None, False, True])
 @pytest.mark.parametrize("tma", [0, 1])
 @pytest.mark.parametrize("C,d,B,L", [(96, 9, 16, 4096), (192, 1, 8, 2000), (96, 3, 1, 333), (192, 3, 3, 777)])
 def test_gpu_unit_equals_k1_path(k1_trans, tma, C, d, B, L):
     """On the GPU the unit kernel writes the bits of the ``k1`` mode's kernels (its k=1 sums
     run over the input channels in the same order), Snake'd output into a view after a
     context."""
-    if C in cu.GPU_EXCLUDED_CHANNELS and not k1_trans:
-        pytest.xfail(f"{C} channels: the unit kernel differs on the GPU (GPU_EXCLUDED_CHANNELS)")
+    if k1_trans is False and cu.default_k1_trans(cu.unit_config(C)[7]):
+        # the direct form with a second tile under 64 channels: wrong on Hopper with Triton 3.6
+        # (up to 9.7 off on an H100 and an H200), hence the transposed default
+        pytest.xfail(f"{C} channels in the direct form (see default_k1_trans)")
     dt = torch.bfloat16
     x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=C + d, device="cuda", B=B, L=L)
     want_s = torch.empty(B, L, C, dtype=dt, device="cuda").transpose(1, 2)

@@ -15,10 +15,9 @@ to the storage dtype, applies ``Snake2`` (rounded as the Snake kernel rounds), m
 result by the k=1 weight in registers / shared memory, and ends with the k=1 conv's epilogue
 (bias, residual, ``h'``, the next Snake). The k=1 products are summed over the input channels
 in ascending order, as the k=1 conv kernel's channel loop sums them: on the GPU the result is
-meant to be the bits of the two-kernel path: on an H100 it is at 192 channels (GPU tests), but
-not at 96, which the decoder therefore leaves to the two kernels on GPUs
-(:data:`GPU_EXCLUDED_CHANNELS`). Under the interpreter, whose matrix products group their sums
-by tile, it agrees to rounding.
+the bits of the separate kernels (GPU tests, H100 and H200, 96 and 192 channels). A second
+tile narrower than 64 channels runs the k=1 conv transposed (:func:`default_k1_trans`).
+Under the interpreter, whose matrix products group their sums by tile, it agrees to rounding.
 
 Inputs follow :func:`shoal.kernels.codec_conv.conv1d_cl_triton`: ``x`` is the k=7 conv's
 input buffer ``[B, C, L_in]`` (left context included, ``Snake1`` already applied, channels-last
@@ -39,23 +38,32 @@ from .fused import _DT_CODE, _check_dtype, _require_kernel
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 from .snake import sin_mode, snake_ref
 
-__all__ = ["residual_unit_ref", "residual_unit_triton", "unit_config", "unit_supported"]
+__all__ = ["default_k1_trans", "residual_unit_ref", "residual_unit_triton", "unit_config", "unit_supported"]
 
 # (BT, BN, BC, num_warps, num_stages, TMA, FLAT, BN2) by channel count: the k=7 loop's tiles
 # (BN + BN2 = C). 192: the fastest of 7 tiles on an H100 (2026-12-05, 64 x 32-frame call,
 # `python -m shoal.bench.kernels_codec_conv --units 192`): 3.54 ms a unit against 4.54 for the
-# two kernels, bit-equal. 96: the fastest tile (2.39 against 2.89 ms) but wrong results there.
+# two kernels, bit-equal. 96: on an H200 (2026-12-05, `benchmarks/scripts/unit96_probe.py`)
+# 2.32-2.34 ms a unit with the k=1 conv transposed, against 2.70-2.74 for the k1 mode's three
+# kernels, bit-equal.
 _UNIT_CONFIGS: dict[int, tuple[int, ...]] = {
     96: (128, 64, 32, 4, 4, 1, 1, 32),
     192: (64, 128, 64, 4, 3, 1, 1, 64),
 }
 MAX_UNIT_CHANNELS = 192
-# Channel counts whose unit kernel is not used on a GPU: at 96 channels (tiles 64 + 32) the
-# compiled kernel's results differed from the two-kernel path by up to 9.7 on an H100
-# (2026-12-05; every tile, pointer and descriptor loads), while 192 (128 + 64) was bit-equal
-# and the interpreter agrees at every size. Until that is understood those units keep the two
-# kernels (the tests still run the kernel there and show the difference).
-GPU_EXCLUDED_CHANNELS = frozenset({96})
+# Channel counts whose unit kernel is not used on a GPU. Empty since the 96-channel units run
+# their k=1 conv transposed (see :func:`default_k1_trans`).
+GPU_EXCLUDED_CHANNELS: frozenset[int] = frozenset()
+
+
+def default_k1_trans(bn2: int) -> bool:
+    """Whether the k=1 conv runs transposed by default: when the second channel tile is
+    narrower than 64. In the direct form such a tile's Snake'd values go into the k=1 MMAs as
+    a register operand 16 or 32 wide, and on Hopper (H100 and H200, Triton 3.6) that tile's
+    output channels came out wrong (off by up to 9.7 at 96 = 64 + 32 channels, every tile
+    height, pointer and descriptor loads), while a 64-wide second tile and the transposed
+    form (the Snake'd tiles read from shared memory) give the separate kernels' bits."""
+    return 0 < bn2 < 64
 
 
 def _split(c: int) -> tuple[int, int]:
@@ -244,12 +252,13 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                          w1: Tensor, b1: Tensor | None, residual: Tensor, *,
                          out: Tensor | None = None, snake_alpha: Tensor | None = None,
                          snake_out: Tensor | None = None, write_out: bool = True,
-                         config: tuple[int, ...] | None = None, k1_trans: bool = False) -> Tensor | None:
+                         config: tuple[int, ...] | None = None, k1_trans: bool | None = None) -> Tensor | None:
     """One residual unit (see the module docstring); ``w7`` / ``w1`` packed by
     :func:`pack_conv_weight` (``[7, C, C]`` / ``[1, C, C]``). Writes ``h'`` into ``out`` (or a
     new channels-last tensor; skipped with ``write_out=False``) and ``Snake_snake_alpha(h')``
     into ``snake_out`` (any strides: the next conv's input buffer after its context).
-    ``k1_trans`` runs the k=1 conv transposed (the Snake'd tiles as the MMAs' second operand)."""
+    ``k1_trans`` runs the k=1 conv transposed (the Snake'd tiles as the MMAs' second operand;
+    default :func:`default_k1_trans` of the tiles)."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -284,6 +293,8 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     bt, bn, bc, warps, stages, tma, flat, bn2 = full_config(config or unit_config(C))
     if bn + bn2 < C:
         raise ValueError(f"tiles {bn} + {bn2} do not cover {C} channels")
+    if k1_trans is None:
+        k1_trans = default_k1_trans(bn2)
     if x.is_cuda and not interpret:
         if not _has_tma(x.device.index or 0):
             tma, flat = 0, 0
