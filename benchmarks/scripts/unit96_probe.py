@@ -19,18 +19,18 @@ import torch
 
 from shoal.bench.kernels_codec_conv import bench_unit
 
-# (BT, BN, BC, warps, stages, TMA, FLAT, BN2)
+# (BT, BN, BC, warps, stages, TMA, FLAT, BN2[, k1_trans]); without k1_trans the kernel's default
 CANDIDATES = [
-    (128, 64, 32, 4, 4, 1, 1, 32),   # the table's tile until now (wrong on an H100)
+    (128, 64, 32, 4, 4, 1, 1, 32, 0),   # the table's tile, direct form (wrong on Hopper)
     (128, 64, 32, 4, 4, 1, 1, 64),   # second tile padded to 64 (masked)
     (64, 64, 32, 4, 4, 1, 1, 64),
     (128, 128, 32, 4, 4, 1, 1, 0),   # one padded tile of 128
     (64, 128, 32, 4, 3, 1, 1, 0),
     (128, 128, 32, 8, 4, 1, 1, 0),
-    (128, 64, 32, 4, 1, 0, 0, 32),   # pointer loads, one stage
-    (128, 64, 16, 4, 4, 1, 1, 32),   # 16-channel K slices
-    (64, 64, 32, 4, 4, 0, 0, 32),
-    (64, 64, 32, 4, 4, 1, 1, 32),
+    (128, 64, 32, 4, 1, 0, 0, 32, 0),   # pointer loads, one stage
+    (128, 64, 16, 4, 4, 1, 1, 32, 0),   # 16-channel K slices
+    (64, 64, 32, 4, 4, 0, 0, 32, 0),
+    (64, 64, 32, 4, 4, 1, 1, 32, 0),
     # the k=1 conv transposed (ninth field): the Snake'd tiles as the MMAs' second operand
     (128, 64, 32, 4, 4, 1, 1, 32, 1),
     (64, 64, 32, 4, 4, 1, 1, 32, 1),

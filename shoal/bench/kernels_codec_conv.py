@@ -227,8 +227,9 @@ def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, conf
             res["fused_k1"].append({"config": cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
     best = None
     for cfg in configs or UNIT_CONFIGS.get(C, []):
-        # a ninth field set: the k=1 conv transposed (``residual_unit_triton(k1_trans=True)``)
-        cfg, k1_trans = tuple(cfg[:8]), bool(cfg[8]) if len(cfg) > 8 else False
+        # a ninth field: the k=1 conv transposed or not (``residual_unit_triton(k1_trans=...)``);
+        # without it the kernel's default for the tiles (``default_k1_trans``)
+        cfg, k1_trans = tuple(cfg[:8]), bool(cfg[8]) if len(cfg) > 8 else None
         try:
             h_new.fill_(float("nan"))
             body.fill_(float("nan"))
