@@ -219,7 +219,7 @@ class Decoder(StreamingModule):
                 snake_op(y, units[0][0].alpha, None, ct.conv.bias, out=cbuf[..., c7.padding:], h_out=h)
                 del y
             # "unit": each residual unit of at most MAX_UNIT_CHANNELS channels is one kernel
-            one_kernel = self.snake_epilogue == "unit" and unit_supported(h.shape[1], h)
+            one_kernel = self.snake_epilogue == "unit" and unit_supported(h.shape[1])
             for j, (_, conv7, snake2, conv1) in enumerate(units):
                 conv7._save_context(cbuf, state)
                 if one_kernel:

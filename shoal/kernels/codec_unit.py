@@ -51,9 +51,6 @@ _UNIT_CONFIGS: dict[int, tuple[int, ...]] = {
     192: (64, 128, 64, 4, 3, 1, 1, 64),
 }
 MAX_UNIT_CHANNELS = 192
-# Channel counts whose unit kernel is not used on a GPU. Empty since the 96-channel units run
-# their k=1 conv transposed (see :func:`default_k1_trans`).
-GPU_EXCLUDED_CHANNELS: frozenset[int] = frozenset()
 
 
 def default_k1_trans(bn2: int) -> bool:
@@ -77,12 +74,10 @@ def _split(c: int) -> tuple[int, int]:
     return (half, bn2) if half + bn2 < bn else (bn, 0)
 
 
-def unit_supported(c: int, like: Tensor | None = None) -> bool:
-    """Whether a unit of ``c`` channels runs as one kernel: its accumulators fit a program,
-    and on a GPU (``like`` a CUDA tensor) it is not in :data:`GPU_EXCLUDED_CHANNELS`."""
-    if not HAS_TRITON or c > MAX_UNIT_CHANNELS:
-        return False
-    return not (like is not None and like.is_cuda and c in GPU_EXCLUDED_CHANNELS)
+def unit_supported(c: int) -> bool:
+    """Whether a unit of ``c`` channels runs as one kernel: Triton is there and the unit's
+    accumulators fit a program."""
+    return HAS_TRITON and c <= MAX_UNIT_CHANNELS
 
 
 def unit_config(c: int) -> tuple[int, ...]:
