@@ -486,6 +486,45 @@ def _graph_vs_eager(codec, dtype):
     assert gd.stats.replays == 25 and gd.stats.eager == 1
 
 
+
+@gpu
+@golden
+def test_gpu_primed_pool_replays_equal_unprimed():
+    """The graph pool primed with one segment of the first capture's peak (``_prime``) changes
+    where the activations live, not what the graphs compute: the same outputs as graphs
+    captured into an unprimed pool, call after call."""
+    from shoal.codec import CodecConfig, GraphedStreamingDecoder, load_codec
+
+    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cuda",
+                       dtype=torch.float32)
+    decs = []
+    for prime in (True, False):
+        gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 4), chunk_frames=(4, 8))
+        gd.prime_pool = prime
+        gd.warmup()
+        decs.append(gd)
+    primed, plain = decs
+    assert primed.stats.primed_bytes > 0 and primed.stats.primed_bytes % (2 << 20) == 0
+    assert primed._primer is not None
+    assert plain.stats.primed_bytes == 0 and plain._primer is None
+    codes = random_codes(96, seed=3, batch=3).cuda()
+    sa, sb = primed.new_state(3), plain.new_state(3)
+    i = 0
+    for t in [8, 4] * 8:
+        a = primed.decode_chunk(codes[:, :, i:i + t], sa)
+        b = plain.decode_chunk(codes[:, :, i:i + t], sb)
+        i += t
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert primed.stats.replays == plain.stats.replays == 16
+
+
+def test_prime_pool_switch(monkeypatch, codec):
+    from shoal.codec import GraphedStreamingDecoder
+
+    assert GraphedStreamingDecoder(codec, enabled=False).prime_pool
+    monkeypatch.setenv("SHOAL_CODEC_PRIME_POOL", "0")
+    assert not GraphedStreamingDecoder(codec, enabled=False).prime_pool
+
 if __name__ == "__main__":
     assert sk.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"
     report_cases(INTERP_CASES, _interp_case)
