@@ -209,8 +209,12 @@ class PagedPrefillBackend(_PagedCacheTarget):
         self.max_context, self.max_query = max_context, max_query
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        self.cache.write(layer, self.slots, k[0], v[0])
+        self.write_kv(layer, k, v)
         return self.attend_only(layer, q)
+
+    def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """The chunk's K/V into the cache, nothing read (a layer whose output is not used)."""
+        self.cache.write(layer, self.slots, k[0], v[0])
 
     def attend_only(self, layer: int, q: Tensor) -> Tensor:
         out = paged_prefill_attention(q[0], self.cache.k(layer), self.cache.v(layer), self.block_tables,

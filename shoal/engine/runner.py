@@ -421,7 +421,7 @@ class ModelRunner:
         max_end, max_n = self._fill_prefill(lay, host, chunks)
         t = torch.from_numpy(host) if self.device.type == "cpu" else self._upload(host)
         x, pos = self._bind_prefill(lay, t, max_end, max_n)
-        self.model.forward_slow(x, pos, self.prefill_backend, head=None)
+        self.model.prefill_kv(x, pos, self.prefill_backend)
 
     def _prefill_replay(self, bucket: int, chunks) -> None:
         lay = self._prefill_layouts[bucket]
@@ -436,7 +436,7 @@ class ModelRunner:
 
     def _prefill_body(self, bucket: int) -> None:
         x, pos = self._bind_prefill(self._prefill_layouts[bucket], self._prefill_static[bucket])
-        self.model.forward_slow(x, pos, self.prefill_backend, head=None)
+        self.model.prefill_kv(x, pos, self.prefill_backend)
 
     def _prefill_segmented(self, chunks) -> None:
         """The previous prefill: per-segment attention (SegmentedPrefillBackend)."""
@@ -454,7 +454,7 @@ class ModelRunner:
         backend = self._segmented_backend
         backend.set(self._upload(np.concatenate(slots)), segments)
         x = self._upload(np.concatenate(xs, axis=1))[None]
-        self.model.forward_slow(x, self._upload(np.concatenate(poss))[None], backend, head=None)
+        self.model.prefill_kv(x, self._upload(np.concatenate(poss))[None], backend)
 
     # ------------------------------------------------------------------ decode
     def _decode_body(self, B: int) -> None:

@@ -292,6 +292,24 @@ class DualAR(nn.Module):
         fast_in = normed if self.config.norm_fastlayer_input else last
         return SlowOutput(logits=logits, fast_input=fast_in, hidden=x)
 
+    def prefill_kv(self, grid: Tensor, positions: Tensor, backend: AttentionBackend) -> None:
+        """Write every slow layer's K/V for the columns of ``grid`` and nothing else: a prompt
+        chunk whose outputs nobody reads (the last prompt column is the first decode input). The
+        last layer stops after its K/V write (no attention, ``wo``, MLP or final norm), which
+        leaves the cache exactly as :meth:`forward_slow` leaves it. ``backend`` must also have
+        ``write_kv(layer, k, v)`` on the plain (unfused) path."""
+        x = self.embed(grid)
+        if self._use_fused(backend):
+            self._layers_fused(x, self.layers, positions, self.slow_rope, backend, kv_only_last=True)
+            return
+        cos_sin = self.slow_rope[positions]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            if i == last:
+                layer.write_kv(x, cos_sin, backend, i)
+            else:
+                x = layer(x, cos_sin, backend, i)
+
     # ----------------------------------------------------------------- fast
     def forward_fast(self, x: Tensor, position: int, backend: AttentionBackend,
                      n_out: int | None = None) -> Tensor | None:
