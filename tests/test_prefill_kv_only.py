@@ -36,7 +36,8 @@ def _grids(cfg):
 
 def _run(model, grids, kv_only: bool) -> torch.Tensor:
     s = model.config.slow
-    cache = PagedKVCache(s.n_layer, 40, 16, s.n_local_heads, s.head_dim, torch.float32, "cpu")
+    dev = model.device
+    cache = PagedKVCache(s.n_layer, 40, 16, s.n_local_heads, s.head_dim, model.dtype, dev)
     bt = torch.full((3, 8), 39, dtype=torch.int32)
     for i, blocks in enumerate(BLOCKS):
         bt[i, : len(blocks)] = torch.tensor(blocks)
@@ -46,9 +47,10 @@ def _run(model, grids, kv_only: bool) -> torch.Tensor:
         slots = torch.tensor([BLOCKS[i][t // 16] * 16 + t % 16 for i, a, b in step for t in range(a, b)])
         cu = torch.tensor(np.cumsum([0] + [b - a for _, a, b in step]))
         be = PagedPrefillBackend(cache, s.n_head, s.n_local_heads, s.head_dim)
-        be.set(slots, cu, torch.tensor([a for _, a, _ in step]), bt,
-               torch.tensor([i for i, _, _ in step]))
-        x = torch.as_tensor(cols)[None]
+        be.set(slots.to(dev), cu.to(dev), torch.tensor([a for _, a, _ in step], device=dev), bt.to(dev),
+               torch.tensor([i for i, _, _ in step], device=dev))
+        x = torch.as_tensor(cols, device=dev)[None]
+        pos = pos.to(dev)
         if kv_only:
             assert model.prefill_kv(x, pos[None], be) is None
         else:
@@ -86,6 +88,24 @@ def test_prefill_kv_leaves_the_full_forwards_cache_without_the_last_layers_outpu
     assert not norm_calls  # no final norm
     assert torch.equal(got, ref)
     assert got[-1].abs().sum() > 0  # the last layer's K/V were written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_prefill_kv_keeps_the_cache_bits():
+    """The same on the GPU in bf16 through the Triton kernels (fused path, paged varlen
+    attention kernel)."""
+    from shoal.bench.random_model import random_dualar, tiny_config
+
+    model = random_dualar(tiny_config(512), "cuda", torch.bfloat16, seed=5)
+    grids = _grids(model.config)
+    model.enable_fused_kernels(True)
+    try:
+        ref = _run(model, grids, kv_only=False)
+        got = _run(model, grids, kv_only=True)
+    finally:
+        model.enable_fused_kernels(False)
+    assert torch.equal(got, ref)
+    assert got[-1].float().abs().sum() > 0
 
 
 def test_runner_prefill_goes_through_prefill_kv(monkeypatch):
