@@ -232,20 +232,22 @@ class Decoder(StreamingModule):
                     h, cbuf = h_new, nbuf
                     del h_new, nbuf
                     continue
+                # the k7 conv's input (its context saved above) is dropped as soon as the conv
+                # has read it, before anything else is allocated
                 pre_alpha = None
                 if fused:  # the k1 conv Snakes its input tiles itself
                     s2 = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
+                    del cbuf
                     pre_alpha = snake2.alpha
                 elif self.snake_epilogue in ("k1", "unit"):  # a k7 tile's Snake epilogue costs more than the kernel
-                    s2 = self._act(h)
-                    a = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
-                    snake_op(a, snake2.alpha, out=s2)
-                    del a
+                    s2 = conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation)
+                    del cbuf
+                    snake_op(s2, snake2.alpha, out=s2)  # in place: elementwise
                 else:
                     s2 = self._act(h)
                     conv1d_cl_triton(cbuf, conv7.packed_weight(), conv7.conv.bias, conv7.dilation,
                                      snake_alpha=snake2.alpha, snake_out=s2, write_out=False)
-                del cbuf  # the k7 conv's input: read, and its context saved
+                    del cbuf
                 nbuf, body, h_new, alpha = self._unit_next(blocks, units, bi, j, h, state)
                 conv1d_cl_triton(s2, conv1.packed_weight(), conv1.conv.bias, 1, residual=h, out=h_new,
                                  snake_alpha=alpha, snake_out=body, write_out=h_new is not None,
@@ -260,13 +262,18 @@ class Decoder(StreamingModule):
     def _unit_next(self, blocks: list, units: list, bi: int, j: int, h: Tensor,
                    state: StreamState | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
         """Where unit ``j`` of block ``bi`` writes: ``(next conv's input buffer with its
-        context filled, the view its Snake'd samples go to, the new residual stream h' or None
-        when no unit follows in this block, that Snake's alpha)``."""
+        context filled, the view its Snake'd samples go to, the new residual stream h' (``h``
+        itself, updated in place) or None when no unit follows in this block, that Snake's
+        alpha)``."""
         if j + 1 < len(units):
             nxt, alpha = units[j + 1][1], units[j + 1][0].alpha
             nbuf = nxt._buffer(h, nxt.padding + h.shape[-1])
             nxt._with_context(nbuf, state)
-            return nbuf, nbuf[..., nxt.padding:], self._act(h), alpha
+            # the new residual stream overwrites h in place: the unit's kernel reads h only as
+            # the residual, each sample just before it stores that sample's sum (h is this
+            # block's own activation, read by nothing after the unit), so one activation fewer
+            # is live across the unit -- and kept by the CUDA-graph pool that records it
+            return nbuf, nbuf[..., nxt.padding:], h, alpha
         if bi + 1 < len(blocks):
             nxt, alpha = blocks[bi + 1].block[1], blocks[bi + 1].block[0].alpha
             nbuf = nxt.input_buffer(h, h.shape[-1])
