@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shoal.bench.random_model import random_dualar, tiny_config
-from shoal.model import dualar
+from weight_spy import record_weight_reads
 from shoal.engine.attention import FastCacheBackend
 
 
@@ -47,13 +47,8 @@ def test_position_zero_writes_the_same_kv_without_the_last_layers_output(model, 
     _full_position(model, x, ref, 0)
 
     # every weight a projection reads, on either path (module calls and the fused path's GEMMs)
-    used = []
-    real_linear, real_swiglu = dualar._linear, dualar.dense_swiglu
-    monkeypatch.setattr(dualar, "_linear", lambda mod, a: (used.append(mod.weight), real_linear(mod, a))[1])
-    monkeypatch.setattr(dualar, "dense_swiglu", lambda a, w13: (used.append(w13), real_swiglu(a, w13))[1])
     last = model.fast_layers[-1]
-    hooks = [m.register_forward_hook(lambda m, *a: used.append(m.weight))
-             for m in (last.attention.wo, last.feed_forward.w1, last.feed_forward.w2)]
+    used, hooks = record_weight_reads(monkeypatch, (last.attention.wo, last.feed_forward.w1, last.feed_forward.w2))
     model.enable_fused_kernels(fused)
     try:
         fb = _backend(model, rows)

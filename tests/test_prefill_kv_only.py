@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from shoal.engine.attention import PagedKVCache, PagedPrefillBackend
-from shoal.model import dualar
+from weight_spy import record_weight_reads
 
 LENGTHS = [70, 45, 90]
 BLOCKS = [[3, 9, 1, 12, 20], [5, 0, 17], [2, 8, 30, 11, 4, 25]]
@@ -64,14 +64,9 @@ def test_prefill_kv_leaves_the_full_forwards_cache_without_the_last_layers_outpu
     model.enable_fused_kernels(fused)
     try:
         ref = _run(model, grids, kv_only=False)
-        used = []
-        real_linear, real_swiglu = dualar._linear, dualar.dense_swiglu
-        monkeypatch.setattr(dualar, "_linear", lambda mod, a: (used.append(mod.weight), real_linear(mod, a))[1])
-        monkeypatch.setattr(dualar, "dense_swiglu", lambda a, w13: (used.append(w13), real_swiglu(a, w13))[1])
         last = model.layers[-1]
-        hooks = [m.register_forward_hook(lambda m, *a: used.append(m.weight))
-                 for m in (last.attention.wo, last.feed_forward.w1, last.feed_forward.w2,
-                           last.attention.wqkv)]
+        used, hooks = record_weight_reads(monkeypatch, (last.attention.wo, last.feed_forward.w1,
+                                                        last.feed_forward.w2, last.attention.wqkv))
         norm_calls = []
         hooks.append(model.norm.register_forward_hook(lambda *a: norm_calls.append(1)))
         try:
