@@ -488,15 +488,14 @@ def _graph_vs_eager(codec, dtype):
 
 
 @gpu
-@golden
 def test_gpu_primed_pool_replays_equal_unprimed():
     """The graph pool primed with one segment of the first capture's peak (``_prime``) changes
     where the activations live, not what the graphs compute: the same outputs as graphs
     captured into an unprimed pool, call after call."""
-    from shoal.codec import CodecConfig, GraphedStreamingDecoder, load_codec
+    from shoal.bench.codec import build_codec
+    from shoal.codec import GraphedStreamingDecoder
 
-    codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"), device="cuda",
-                       dtype=torch.float32)
+    codec = build_codec(True, torch.device("cuda"))  # tiny random codec, fp32
     decs = []
     for prime in (True, False):
         gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 4), chunk_frames=(4, 8))
