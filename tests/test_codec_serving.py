@@ -520,9 +520,25 @@ def test_gpu_primed_pool_replays_equal_unprimed():
 def test_prime_pool_switch(monkeypatch, codec):
     from shoal.codec import GraphedStreamingDecoder
 
-    assert GraphedStreamingDecoder(codec, enabled=False).prime_pool
+    gd = GraphedStreamingDecoder(codec, enabled=False)
+    assert gd.prime_pool and gd.prime_margin_mib == 0
     monkeypatch.setenv("SHOAL_CODEC_PRIME_POOL", "0")
-    assert not GraphedStreamingDecoder(codec, enabled=False).prime_pool
+    monkeypatch.setenv("SHOAL_CODEC_PRIME_MARGIN_MIB", "48")
+    gd = GraphedStreamingDecoder(codec, enabled=False)
+    assert not gd.prime_pool and gd.prime_margin_mib == 48
+
+
+def test_prime_bytes_whole_pages_with_margin():
+    from shoal.codec.streaming import prime_bytes
+
+    mib = 1 << 20
+    assert prime_bytes(0) == 0 and prime_bytes(-5, 64) == 0  # nothing measured: no segment
+    assert prime_bytes(1) == 2 * mib
+    assert prime_bytes(214 * mib) == 214 * mib
+    assert prime_bytes(213 * mib + 1) == 214 * mib
+    assert prime_bytes(214 * mib, 50) == 264 * mib
+    assert prime_bytes(214 * mib, 49) == 264 * mib  # rounded up to a whole 2 MiB page
+    assert prime_bytes(214 * mib, -8) == 214 * mib
 
 if __name__ == "__main__":
     assert sk.triton_interpreting(), "worker must import triton with TRITON_INTERPRET=1"

@@ -155,6 +155,17 @@ class GraphStats:
     primed_bytes: int = 0  # the graph pool's first segment (GraphedStreamingDecoder._prime)
 
 
+def prime_bytes(peak: int, margin_mib: int = 0) -> int:
+    """The graph pool's primed segment for a call whose peak is ``peak`` bytes: the peak plus
+    ``margin_mib`` MiB, rounded up to whole 2 MiB pages (0 when there is nothing to prime)."""
+    n = max(int(peak), 0)
+    if n == 0:
+        return 0
+    n += max(int(margin_mib), 0) << 20
+    page = 2 << 20
+    return -(-n // page) * page
+
+
 def warmup_order(batches, chunk_frames) -> list[tuple[int, int]]:
     """(batch, frames) pairs to capture, largest call (batch x frames) first; ties by batch."""
     return sorted(((int(b), int(t)) for b in batches for t in chunk_frames),
@@ -212,6 +223,10 @@ class GraphedStreamingDecoder(StreamingDecoder):
         # one pool segment of the first capture's peak before anything is recorded (_prime);
         # SHOAL_CODEC_PRIME_POOL=0 turns it off
         self.prime_pool = os.environ.get("SHOAL_CODEC_PRIME_POOL", "1").strip() not in ("0", "false", "off")
+        # MiB added to the measured peak (SHOAL_CODEC_PRIME_MARGIN_MIB): on an H200 the captures
+        # of a segment of exactly the peak still opened ~100 MiB of further segments
+        # (docs/benchmarks.md, 2026-12-06), so a margin may keep the pool to one segment
+        self.prime_margin_mib = _env_int("SHOAL_CODEC_PRIME_MARGIN_MIB", 0)
         self._primer: torch.cuda.CUDAGraph | None = None
 
     # ------------------------------------------------------------------ graph path
@@ -371,7 +386,8 @@ class GraphedStreamingDecoder(StreamingDecoder):
                 self._pool = torch.cuda.graph_pool_handle()
                 if self.prime_pool:
                     side.synchronize()
-                    self._prime(torch.cuda.max_memory_allocated(dev) - base, side)
+                    self._prime(prime_bytes(torch.cuda.max_memory_allocated(dev) - base,
+                                            self.prime_margin_mib), side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=side,
                                   capture_error_mode="thread_local"):
@@ -391,8 +407,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         another size opens another: 0.44 GiB of segments for a 0.29 GiB peak (H200, 24
         graphs of up to 32 x 32 frames). The priming graph only allocates and frees; it is
         kept because the pool lives as long as a graph recorded into it."""
-        nbytes = -(-max(int(nbytes), 0) // (2 << 20)) * (2 << 20)  # whole 2 MiB pages
-        if nbytes == 0:
+        if nbytes <= 0:
             return
         dev = self.codec.device
         graph = torch.cuda.CUDAGraph()
