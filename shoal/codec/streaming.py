@@ -222,7 +222,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         self._side: torch.cuda.Stream | None = None
         # one pool segment of the first capture's peak before anything is recorded (_prime);
         # SHOAL_CODEC_PRIME_POOL=0 turns it off
-        self.prime_pool = os.environ.get("SHOAL_CODEC_PRIME_POOL", "1").strip() not in ("0", "false", "off")
+        self.prime_pool = os.environ.get("SHOAL_CODEC_PRIME_POOL", "1").strip().lower() not in ("0", "false", "no", "off")
         # MiB added to the measured peak (SHOAL_CODEC_PRIME_MARGIN_MIB): on an H200 the captures
         # of a segment of exactly the peak still opened ~100 MiB of further segments
         # (docs/benchmarks.md, 2026-12-06), so a margin may keep the pool to one segment
