@@ -98,7 +98,9 @@ def _conv_case(dt_name: str, shape: str) -> dict:
     return {"checks": checks, "flags": flags}
 
 
-def _golden_decode_case(snake_epilogue: bool = True) -> dict:
+def _golden_decode_case(snake_epilogue: bool = True, pack: bool = False) -> dict:
+    """``pack``: the weights packed ahead of the first call as serving packs them (each conv's
+    weight held once: the transposed convs' packed over their own storage)."""
     from safetensors.torch import load_file
 
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
@@ -109,6 +111,10 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
     wave = golden["decode_encoded.waveform"].flatten()
     ref = codec.decode(codes)  # the module path: F.conv1d channels-first
     codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue)
+    if pack:
+        from shoal.codec.streaming import pack_conv_weights
+
+        pack_conv_weights(codec)
     used = []
     dec_mod = codec.decoder
     for name in ("_forward_triton", "_forward_fused"):
@@ -143,7 +149,11 @@ def _golden_decode_case(snake_epilogue: bool = True) -> dict:
                                         "decoder_path": bool(used) and set(used) == {want},
                                         # the fused mode's two fusions ran (and only in it)
                                         "fused_entries": bool(entries) == fused,
-                                        "fused_prologues": any(prologues) == fused}}
+                                        "fused_prologues": any(prologues) == fused,
+                                        # packed ahead: every 2-tap transposed conv keeps one copy
+                                        "transposed_shared": not pack or all(
+                                            m.shares_packed_weight and m.conv.weight.numel() == 0
+                                            for m in codec.decoder.modules() if getattr(m, "as_gemm", False))}}
 
 
 def _fused_entry_case() -> dict:
@@ -353,9 +363,9 @@ def _interp_case(name: str) -> dict:
     if name == "golden_decode_fp32_separate_snakes":
         return _golden_decode_case(snake_epilogue=False)
     if name == "golden_decode_fp32_k1_epilogues":
-        return _golden_decode_case(snake_epilogue="k1")
+        return _golden_decode_case(snake_epilogue="k1", pack=True)
     if name == "golden_decode_fp32_fused":
-        return _golden_decode_case(snake_epilogue="fused")
+        return _golden_decode_case(snake_epilogue="fused", pack=True)
     if name == "fused_entry_bf16":
         return _fused_entry_case()
     if name == "pre_snake_bf16":

@@ -597,39 +597,113 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
     uses), so no call allocates one between its activations; later calls reuse it."""
     import copy
 
-    from shoal.codec.layers import CausalConv1d
+    from shoal.codec.layers import CausalConv1d, CausalConvTranspose1d
     from shoal.codec.streaming import pack_conv_weights
     from shoal.kernels.codec_conv import pack_conv_weight
 
     c = copy.deepcopy(codec).configure_serving(channels_last=True, triton_conv=True)
-    codec_params = {id(m): m.conv.weight.detach().clone() for m in c.decoder.modules() if isinstance(m, CausalConv1d)}
+    weights = {id(m): (m.conv.weight.detach().clone(), m.conv.weight.data_ptr())
+               for m in c.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))}
     n = pack_conv_weights(c)
-    convs = [m for m in c.decoder.modules() if getattr(m, "_packed", None) is not None]
-    assert convs and n == sum(m._packed[1].numel() * m._packed[1].element_size() for m in convs)
+    convs = [m for m in c.decoder.modules() if getattr(m, "shares_packed_weight", False)]
+    assert convs and n == sum(m.packed_weight().numel() * m.packed_weight().element_size() for m in convs)
     for m in convs:
-        before = m._packed[1]
+        before = m.packed_weight()
         assert m.packed_weight() is before  # not packed again
+        w0, ptr0 = weights[id(m)]
         if isinstance(m, CausalConv1d):  # one copy: the weight is a view of its packed form
             assert m.conv.weight.data_ptr() == before.data_ptr()
-            assert torch.equal(m.conv.weight, codec_params[id(m)])
+            assert torch.equal(m.conv.weight, w0)
             assert torch.equal(before, pack_conv_weight(m.conv.weight.detach()))
+        else:  # one copy: the packed form over the weight's own storage, the parameter empty
+            assert before.data_ptr() == ptr0 and m.conv.weight.numel() == 0
+            assert torch.equal(m.full_weight(), w0)
     # the transposed convs that run as 2-tap GEMMs are packed too
     assert any(getattr(m, "as_gemm", False) for m in convs)
     # setting the serving layout again (every serving_decoder() does) moves no packed weight:
     # graphs captured before read those pointers
-    ptrs = {id(m): m._packed[1].data_ptr() for m in convs}
+    ptrs = {id(m): m.packed_weight().data_ptr() for m in convs}
     c.configure_serving(channels_last=True, triton_conv=True)
     pack_conv_weights(c)
-    assert {id(m): m._packed[1].data_ptr() for m in convs} == ptrs
-    # the Triton conv off: each weight in its own storage again (cuDNN's layout), same values
+    assert {id(m): m.packed_weight().data_ptr() for m in convs} == ptrs
+    # the Triton conv off: each weight in its own storage again (cuDNN's layout), same values;
+    # also with the layout switched in the same call (the shared weight unshared first)
+    c2 = copy.deepcopy(c)
     c.configure_serving(triton_conv=False)
+    c2.configure_serving(channels_last=False, triton_conv=False)
+    convs2 = [m for m in c2.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))]
     for m in convs:
-        assert m._packed is None
-        if isinstance(m, CausalConv1d):
-            assert not m.shares_packed_weight
-            assert m.conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
-            assert torch.equal(m.conv.weight, codec_params[id(m)])
+        assert m._packed is None and not m.shares_packed_weight
+        assert m.conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(m.conv.weight, weights[id(m)][0])
+    assert all(not m.shares_packed_weight and m.conv.weight.is_contiguous() for m in convs2)
+    assert sorted(m.conv.weight.numel() for m in convs2) == sorted(w.numel() for w, _ in weights.values())
 
+
+def _transposed(dt=torch.float32, ci=12, co=8, st=4, seed=3):
+    from shoal.codec.layers import CausalConvTranspose1d
+
+    torch.manual_seed(seed)
+    ct = CausalConvTranspose1d(ci, co, 2 * st, stride=st, weight_norm=False).to(dt)
+    with torch.no_grad():
+        ct.conv.bias.normal_()
+    return ct
+
+
+def test_transposed_conv_keeps_one_packed_copy():
+    """A 2-tap transposed conv's shared packed weight: the values packed over the weight's own
+    storage, the reference layout rebuilt exactly, the same outputs one-shot and streamed
+    through the paths that read the full weight, a state dict in the checkpoint layout."""
+    from shoal.codec.layers import StreamState
+
+    ct = _transposed()
+    w0, ptr = ct.conv.weight.detach().clone(), ct.conv.weight.data_ptr()
+    x = torch.randn(2, 12, 9)
+    want_packed = ct.packed_weight().clone()
+    one_shot = ct(x)
+    st = StreamState(ct.init_stream_state(2, x.device, x.dtype))
+    streamed = torch.cat([ct(x[..., :4], st), ct(x[..., 4:], st)], -1)
+    sd0 = {k: v.clone() for k, v in ct.state_dict().items()}
+
+    packed = ct.share_packed_weight()
+    assert ct.shares_packed_weight and ct.share_packed_weight() is packed
+    assert packed.data_ptr() == ptr and torch.equal(packed, want_packed)
+    assert ct.conv.weight.numel() == 0 and ct.packed_weight() is packed
+    assert torch.equal(ct.full_weight(), w0)
+    assert torch.equal(ct(x), one_shot)
+    st = StreamState(ct.init_stream_state(2, x.device, x.dtype))
+    assert torch.equal(torch.cat([ct(x[..., :4], st), ct(x[..., 4:], st)], -1), streamed)
+    sd = ct.state_dict()
+    assert set(sd) == set(sd0) and all(torch.equal(sd[k], sd0[k]) for k in sd0)
+    assert "_packed_w" not in sd  # not persistent: the checkpoint format is unchanged
+
+    # a cast moves the packed form with the module; unshare gives the same weight back
+    half = ct.to(torch.bfloat16)
+    assert half.packed_weight().dtype == torch.bfloat16
+    assert torch.equal(half.full_weight(), w0.to(torch.bfloat16))
+    half.unshare_packed_weight()
+    assert not half.shares_packed_weight and torch.equal(half.conv.weight, w0.to(torch.bfloat16))
+
+
+def test_transposed_conv_loads_into_a_shared_weight():
+    """load_state_dict into a conv that keeps only its packed weight unshares it first; the
+    packed form then follows the loaded weight."""
+    ct, other = _transposed(seed=3), _transposed(seed=4)
+    ct.share_packed_weight()
+    ct.load_state_dict(other.state_dict())
+    assert not ct.shares_packed_weight
+    assert torch.equal(ct.conv.weight, other.conv.weight)
+    assert torch.equal(ct.packed_weight(), other.packed_weight())
+    x = torch.randn(1, 12, 5)
+    assert torch.equal(ct(x), other(x))
+
+
+def test_only_two_tap_transposed_convs_share():
+    from shoal.codec.layers import CausalConvTranspose1d
+
+    ct = CausalConvTranspose1d(4, 4, 4, stride=4, weight_norm=False)
+    with pytest.raises(ValueError, match="2-tap"):
+        ct.share_packed_weight()
 
 
 @golden

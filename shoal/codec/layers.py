@@ -453,14 +453,74 @@ class CausalConvTranspose1d(StreamingModule):
         # kernel_size == 2 * stride); the carried state is then the last input sample [B, C_in, 1]
         self.triton_conv = False
         self._packed: tuple[tuple, Tensor] | None = None
+        # share_packed_weight: the weight held only in its packed form (a buffer, so module
+        # moves and casts carry it); conv.weight is then an empty placeholder
+        self.register_buffer("_packed_w", None, persistent=False)
+        self._register_state_dict_hook(_full_transposed_weight_in_state_dict)
+        self._register_load_state_dict_pre_hook(_unshare_before_load, with_module=True)
 
     @property
     def as_gemm(self) -> bool:
         return self.triton_conv and self.kernel_size == 2 * self.stride
 
+    @property
+    def shares_packed_weight(self) -> bool:
+        return self._packed_w is not None
+
+    def share_packed_weight(self) -> Tensor:
+        """Keep the weight only in the packed form the GEMM reads: one copy in memory instead
+        of two. The 2-tap packing reorders the taps, so (unlike the stride-1 conv's) it cannot
+        be a view of ``conv.weight``; instead the packed values are written over the weight's
+        own storage (no allocation left behind) and ``conv.weight`` becomes an empty
+        placeholder. :meth:`full_weight` rebuilds the reference layout for the other paths,
+        ``state_dict()`` holds it, ``load_state_dict`` unshares first and
+        :meth:`unshare_packed_weight` (``configure_serving(triton_conv=False)``) restores it."""
+        if self.shares_packed_weight:
+            return self._packed_w
+        if self.kernel_size != 2 * self.stride:
+            raise ValueError(f"only a 2-tap transposed conv (kernel_size == 2 * stride) has a packed form, "
+                             f"got kernel_size {self.kernel_size}, stride {self.stride}")
+        w = self.conv.weight
+        self._full_shape = tuple(w.shape)
+        packed = self.packed_weight()
+        wd = w.data
+        dense = (wd.storage_offset() == 0 and 0 not in wd.stride()
+                 and wd.untyped_storage().nbytes() == wd.numel() * wd.element_size())
+        if dense:  # the packed values into the weight's own storage, the temporary freed
+            own = torch.empty(0, dtype=wd.dtype, device=wd.device).set_(wd.untyped_storage(), 0, packed.shape)
+            own.copy_(packed)
+            packed = own
+        self._packed_w = packed
+        self._packed = None
+        w.data = packed.new_empty(0)
+        return packed
+
+    def full_weight(self) -> Tensor:
+        """The weight in the reference layout [C_in, C_out, k] (a rebuilt copy while only the
+        packed form is kept)."""
+        if not self.shares_packed_weight:
+            return self.conv.weight
+        ci, co, k = self._full_shape
+        s = k // 2
+        p = self._packed_w.view(2, ci, s, co)  # tap 0 = weight[..., s:], tap 1 = weight[..., :s]
+        return torch.cat([p[1], p[0]], dim=1).permute(0, 2, 1).contiguous()
+
+    def unshare_packed_weight(self) -> None:
+        """``conv.weight`` in its own storage and layout again, the packed form dropped."""
+        if not self.shares_packed_weight:
+            return
+        w = self.full_weight()
+        if self.channels_last:
+            w = w.unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
+        self.conv.weight.data = w
+        self._packed_w = None
+        self._packed = None
+
     def packed_weight(self) -> Tensor:
         """[2, C_in, stride * C_out]: tap 0 multiplies input sample i-1, tap 1 sample i; column
         r * C_out + n is output channel n of output sample stride * i + r."""
+        if self.shares_packed_weight:
+            return self._packed_w
         w = self.conv.weight  # [C_in, C_out, k]
         key = (w.data_ptr(), w.dtype, w.device, w._version)
         if self._packed is None or self._packed[0] != key:
@@ -523,7 +583,7 @@ class CausalConvTranspose1d(StreamingModule):
 
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         if state is None:
-            y = F.conv_transpose1d(x, self.conv.weight, self.conv.bias, self.stride)
+            y = F.conv_transpose1d(x, self.full_weight(), self.conv.bias, self.stride)
             return y[..., : y.shape[-1] - self.trim].contiguous()
         y = self.forward_nobias(x, state)
         if self.conv.bias is not None:
@@ -542,9 +602,9 @@ class CausalConvTranspose1d(StreamingModule):
             return self.gemm_forward(buf)
         n = x.shape[-1] * self.stride
         if self.channels_last:
-            y = F.conv_transpose2d(x.unsqueeze(2), self.conv.weight.unsqueeze(2), None, (1, self.stride)).squeeze(2)
+            y = F.conv_transpose2d(x.unsqueeze(2), self.full_weight().unsqueeze(2), None, (1, self.stride)).squeeze(2)
         else:
-            y = F.conv_transpose1d(x, self.conv.weight, None, self.stride)
+            y = F.conv_transpose1d(x, self.full_weight(), None, self.stride)
         if self.trim and state is not None:
             y[..., : self.trim] += state[self.state_key]
             state.store(self.state_key, y[..., n:])
@@ -556,6 +616,19 @@ class CausalConvTranspose1d(StreamingModule):
         if self.trim == 0:
             return {}
         return {self.state_key: torch.zeros(batch_size, self.conv.out_channels, self.trim, device=device, dtype=dtype)}
+
+
+def _full_transposed_weight_in_state_dict(module: CausalConvTranspose1d, state_dict, prefix, local_metadata):
+    """``state_dict()`` of a transposed conv that keeps only its packed weight: the reference
+    layout under ``conv.weight``, as the checkpoint format has it."""
+    if module.shares_packed_weight:
+        state_dict[prefix + "conv.weight"] = module.full_weight().detach()
+
+
+def _unshare_before_load(module: CausalConvTranspose1d, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` writes ``conv.weight`` in the reference layout: give it its shape
+    back first (the packed form is rebuilt from the loaded weight when next needed)."""
+    module.unshare_packed_weight()
 
 
 class ResidualUnit(StreamingModule):

@@ -660,10 +660,12 @@ class Codec(nn.Module):
             for mod in self.decoder.modules():
                 if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
                     mod.channels_last = bool(channels_last)
-                    if getattr(mod, "shares_packed_weight", False) and (triton_conv is None or triton_conv):
-                        # the weight is a view of the packed form the Triton conv reads: keep it
-                        # there (a copy would move the packed weight under captured graphs)
-                        continue
+                    if getattr(mod, "shares_packed_weight", False):
+                        if triton_conv is None or triton_conv:
+                            # the weight is held in the packed form the Triton conv reads: keep it
+                            # there (a copy would move the packed weight under captured graphs)
+                            continue
+                        mod.unshare_packed_weight()  # the Triton conv goes off: cuDNN's own layout
                     # weights stored channels-last once (no per-call conversion inside cuDNN)
                     w = mod.conv.weight
                     w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)

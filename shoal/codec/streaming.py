@@ -551,7 +551,7 @@ def pack_conv_weights(codec: Codec) -> int:
         if isinstance(m, CausalConv1d) and m.stride == 1 and m.groups == 1:
             w = m.share_packed_weight()  # the weight becomes a view of its packed form
         elif isinstance(m, CausalConvTranspose1d) and m.as_gemm:
-            w = m.packed_weight()  # the 2-tap packing reorders taps: a copy, not a view
+            w = m.share_packed_weight()  # packed over the weight's own storage, one copy kept
         else:
             continue  # not run as the Triton kernel
         n += w.numel() * w.element_size()
