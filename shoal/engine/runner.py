@@ -33,6 +33,7 @@ from ..model.dualar import DualAR
 from .attention import (FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend,
                         SegmentedPrefillBackend)
 from ..kernels import prefill_attention
+from ..kernels.paged_attention import pdl_in_prefill, pdl_suppressed
 from ..kernels.sampling import s2_main_sample, s2_residual_sample
 from .sampling import (DRAWS_PER_FRAME, BatchSampling, SamplingParams, residual_code, residual_noise,
                        s1_main_token, s2_main_token)
@@ -421,7 +422,8 @@ class ModelRunner:
         max_end, max_n = self._fill_prefill(lay, host, chunks)
         t = torch.from_numpy(host) if self.device.type == "cpu" else self._upload(host)
         x, pos = self._bind_prefill(lay, t, max_end, max_n)
-        self.model.prefill_kv(x, pos, self.prefill_backend)
+        with pdl_suppressed(not pdl_in_prefill()):
+            self.model.prefill_kv(x, pos, self.prefill_backend)
 
     def _prefill_replay(self, bucket: int, chunks) -> None:
         lay = self._prefill_layouts[bucket]
@@ -436,7 +438,8 @@ class ModelRunner:
 
     def _prefill_body(self, bucket: int) -> None:
         x, pos = self._bind_prefill(self._prefill_layouts[bucket], self._prefill_static[bucket])
-        self.model.prefill_kv(x, pos, self.prefill_backend)
+        with pdl_suppressed(not pdl_in_prefill()):
+            self.model.prefill_kv(x, pos, self.prefill_backend)
 
     def _prefill_segmented(self, chunks) -> None:
         """The previous prefill: per-segment attention (SegmentedPrefillBackend)."""
@@ -454,7 +457,8 @@ class ModelRunner:
         backend = self._segmented_backend
         backend.set(self._upload(np.concatenate(slots)), segments)
         x = self._upload(np.concatenate(xs, axis=1))[None]
-        self.model.prefill_kv(x, self._upload(np.concatenate(poss))[None], backend)
+        with pdl_suppressed(not pdl_in_prefill()):
+            self.model.prefill_kv(x, self._upload(np.concatenate(poss))[None], backend)
 
     # ------------------------------------------------------------------ decode
     def _decode_body(self, B: int) -> None:

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters, _tma_ok
 from .fused import silu_mul
-from .paged_attention import HAS_TRITON, pdl_options, tl, triton
+from .paged_attention import HAS_TRITON, note_foreign_kernel, pdl_options, tl, triton
 
 __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dense_config", "set_dense_table",
            "dense_swiglu", "dense_swiglu_triton", "swiglu_config"]
@@ -682,4 +682,6 @@ def dense_linear(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if use_dense_kernel(x2, w):
             return dense_gemm_triton(x2, w).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, bias)
+    y = F.linear(x, w, bias)
+    note_foreign_kernel(x)
+    return y

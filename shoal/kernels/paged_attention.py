@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -369,10 +370,71 @@ def pdl_enabled() -> bool:
             and torch.cuda.get_device_capability() >= (9, 0))
 
 
+PDL_AFTER_FOREIGN_ENV = "SHOAL_PDL_AFTER_CUBLAS"
+"""Environment variable: ``0`` launches the first of our kernels after a cuBLAS GEMM (see
+:func:`note_foreign_kernel`) normally instead of with PDL."""
+
+PDL_PREFILL_ENV = "SHOAL_PDL_PREFILL"
+"""Environment variable: ``0`` launches the prefill forward's kernels normally (see
+:func:`pdl_suppressed`)."""
+
+_pdl_local = threading.local()
+
+
+@functools.cache
+def pdl_after_foreign() -> bool:
+    """Whether a kernel that follows a kernel of another library (cuBLAS: it takes part in no
+    programmatic dependency of ours) is still launched with PDL, ``SHOAL_PDL_AFTER_CUBLAS``
+    (default on)."""
+    return os.environ.get(PDL_AFTER_FOREIGN_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def pdl_in_prefill() -> bool:
+    """Whether the prefill forward's kernels are launched with PDL, ``SHOAL_PDL_PREFILL``
+    (default on)."""
+    return os.environ.get(PDL_PREFILL_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def note_foreign_kernel(t: "torch.Tensor") -> None:
+    """Record that a kernel without PDL (a cuBLAS GEMM) was just enqueued for ``t``: with
+    ``SHOAL_PDL_AFTER_CUBLAS=0`` the next :func:`pdl_options` of this thread is a normal
+    launch (the kernel's own ``griddepcontrol`` instructions are then no-ops)."""
+    if not pdl_after_foreign() and t.is_cuda:
+        _pdl_local.after_foreign = True
+
+
+class pdl_suppressed:
+    """Context manager: kernels launched inside it on this thread are launched normally (the
+    same compiled kernels; their ``griddepcontrol`` instructions are then no-ops). ``active``
+    False makes it a no-op."""
+
+    def __init__(self, active: bool = True) -> None:
+        self.active = active
+
+    def __enter__(self):
+        self._prev = getattr(_pdl_local, "suppressed", False)
+        if self.active:
+            _pdl_local.suppressed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _pdl_local.suppressed = self._prev
+
+
 def pdl_options(t: "torch.Tensor") -> dict:
     """Launch keywords of a PDL launch of a kernel with a ``PDL`` constexpr, for tensors on
-    ``t``'s device: ``{"PDL": True, "launch_pdl": True}`` when :func:`pdl_enabled`, else {}."""
-    return {"PDL": True, "launch_pdl": True} if t.is_cuda and pdl_enabled() else {}
+    ``t``'s device: ``{"PDL": True, "launch_pdl": True}`` when :func:`pdl_enabled`, else {}.
+    Inside :class:`pdl_suppressed`, or once after :func:`note_foreign_kernel`, the launch is a
+    normal one (``{"PDL": True}``: the same compiled kernel)."""
+    if not (t.is_cuda and pdl_enabled()):
+        return {}
+    if getattr(_pdl_local, "after_foreign", False):
+        _pdl_local.after_foreign = False
+        return {"PDL": True}
+    if getattr(_pdl_local, "suppressed", False):
+        return {"PDL": True}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def triton_interpreting() -> bool:
