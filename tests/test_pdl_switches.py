@@ -1,5 +1,5 @@
 """The PDL launch switches: a normal launch after a cuBLAS GEMM (``SHOAL_PDL_AFTER_CUBLAS=0``)
-and for the prefill forward (``SHOAL_PDL_PREFILL=0``). The launch options are decided on the
+and for the prefill forward (the default; ``SHOAL_PDL_PREFILL=1`` launches it with PDL). The launch options are decided on the
 host, so they are tested here with a stand-in CUDA tensor; the GPU effect is measured by the
 benchmarks (docs/benchmarks.md)."""
 
@@ -71,7 +71,7 @@ def test_dense_linear_marks_its_cublas_fallback(monkeypatch):
 
 def test_runner_prefill_runs_inside_the_prefill_switch(monkeypatch):
     """The runner's prefill forward runs under ``pdl_suppressed`` exactly when
-    ``SHOAL_PDL_PREFILL=0``; the decode step does not."""
+    ``SHOAL_PDL_PREFILL`` is off (the default); the decode step does not."""
     from shoal.bench.random_model import random_dualar, random_prompt, tiny_config
     from shoal.engine import runner as runner_mod
     from shoal.engine.runner import ModelRunner, RunnerConfig
