@@ -27,7 +27,7 @@ def test_pdl_is_inert_on_cpu(monkeypatch):
         paged_attention.pdl_enabled.cache_clear()
 
 
-def _codes(pdl: bool, monkeypatch) -> dict:
+def _codes(pdl: bool, monkeypatch, sampler_overlap: str = "0") -> dict:
     from shoal.bench.random_model import S2_IM_END, S2_SEMANTIC_BEGIN, random_dualar, random_prompt
     from shoal.engine.engine import Engine, EngineConfig
     from shoal.engine.request import EngineRequest, FinishEvent, GridSession
@@ -35,6 +35,7 @@ def _codes(pdl: bool, monkeypatch) -> dict:
     from shoal.model.config import ModelConfig, TransformerShape
 
     monkeypatch.setenv(paged_attention.PDL_ENV, "1" if pdl else "0")
+    monkeypatch.setenv("SHOAL_SAMPLER_OVERLAP", sampler_overlap)
     paged_attention.pdl_enabled.cache_clear()
     assert paged_attention.pdl_enabled() == pdl
     shape = TransformerShape(dim=256, n_layer=2, n_head=4, n_local_heads=2, head_dim=64, intermediate_size=512,
@@ -56,19 +57,53 @@ def _codes(pdl: bool, monkeypatch) -> dict:
     return {e.request_id: e.codes for e in eng.run_until_done() if isinstance(e, FinishEvent)}
 
 
-@cuda
-def test_pdl_engine_codes_identical(monkeypatch, tmp_path):
+def _test_table(tmp_path) -> None:
     cfgs = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 2}
     table = {"configs": {f"{n},{k}": {"16": dict(cfgs), "128": {**cfgs, "BLOCK_M": 128}}
                          for n, k in ((512, 256), (256, 256), (1024, 256), (256, 512), (4097, 256))}}
     (tmp_path / "dense_tuned.json").write_text(json.dumps(table))
     dense.set_dense_table(tmp_path)
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert set(a) == set(b) and len(a) == 6
+    for rid in a:
+        assert np.array_equal(a[rid], b[rid]), rid
+
+
+@cuda
+def test_pdl_engine_codes_identical(monkeypatch, tmp_path):
+    _test_table(tmp_path)
     try:
         off = _codes(False, monkeypatch)
         on = _codes(True, monkeypatch)
     finally:
         dense.set_dense_table(None)
         paged_attention.pdl_enabled.cache_clear()
-    assert set(on) == set(off) and len(on) == 6
-    for rid in off:
-        assert np.array_equal(on[rid], off[rid]), rid
+    _assert_same(on, off)
+
+
+@cuda
+def test_sampler_overlap_engine_codes_identical(monkeypatch, tmp_path):
+    """The main-token sampler on its side stream beside the fast position 0
+    (``SHOAL_SAMPLER_OVERLAP``), in the captured decode graphs, with PDL: the same codes."""
+    _test_table(tmp_path)
+    try:
+        seq = _codes(True, monkeypatch, "0")
+        side = _codes(True, monkeypatch, "on")
+    finally:
+        dense.set_dense_table(None)
+        paged_attention.pdl_enabled.cache_clear()
+    _assert_same(side, seq)
+
+
+def test_sampler_overlap_switch(monkeypatch):
+    from shoal.engine.runner import sampler_overlap_max_batch
+
+    for v, want in (("", 0), ("0", 0), ("off", 0), ("on", 1 << 30), ("all", 1 << 30), ("1", 1), ("16", 16)):
+        monkeypatch.setenv("SHOAL_SAMPLER_OVERLAP", v)
+        assert sampler_overlap_max_batch() == want, v
+    for bad in ("-2", "sometimes"):
+        monkeypatch.setenv("SHOAL_SAMPLER_OVERLAP", bad)
+        with pytest.raises(ValueError, match="SHOAL_SAMPLER_OVERLAP"):
+            sampler_overlap_max_batch()

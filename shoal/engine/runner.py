@@ -52,6 +52,26 @@ def llm_stream_priority() -> int:
         return 0
     return -100  # torch maps values past the device's range to its highest priority
 
+def sampler_overlap_max_batch() -> int:
+    """``SHOAL_SAMPLER_OVERLAP=N`` (``on``: every batch): in decode steps of at most N rows
+    (batch buckets), the fused main-token sampler runs on a side stream beside the fast
+    transformer's position 0 (which
+    reads only the slow model's hidden state, not the sampled token), joined before position 1.
+    0 (the default) keeps them in sequence. Same kernels, same inputs: the same codes."""
+    v = os.environ.get("SHOAL_SAMPLER_OVERLAP", "").strip().lower()
+    if v in ("", "0", "off", "false", "no"):
+        return 0
+    if v in ("on", "true", "yes", "all"):
+        return 1 << 30
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"SHOAL_SAMPLER_OVERLAP must be a batch size, on or off, got {v!r}") from None
+    if n < 0:
+        raise ValueError(f"SHOAL_SAMPLER_OVERLAP must be >= 0, got {n}")
+    return n
+
+
 # settings the start-up self-check of the fused sampler draws with (greedy, the nucleus walk,
 # the bisection above top_k 64, top_p 1.0, RAS fallbacks)
 _CHECK_PARAMS = [SamplingParams(greedy=True), SamplingParams(temperature=0.8, top_p=0.8, top_k=30),
@@ -196,6 +216,10 @@ class ModelRunner:
             raise ValueError("fused sampling implements the S2 rule only")
         self._cols = torch.zeros(cfg.max_slots, self.C + 1, dtype=torch.long, device=dev)
         self._idx = torch.zeros(cfg.max_slots, dtype=torch.long, device=dev)
+        # the main-token sampler beside the fast position 0 (sampler_overlap_max_batch)
+        self.sampler_overlap = sampler_overlap_max_batch() if dev.type == "cuda" else 0
+        self._sampler_stream = (torch.cuda.Stream(device=dev, priority=llm_stream_priority())
+                                if self.sampler_overlap else None)
 
     # ------------------------------------------------------------------ slot state
     def _upload(self, a) -> Tensor:
@@ -288,12 +312,26 @@ class ModelRunner:
         cols, idx = self._cols[:B], self._idx[:B]
         emb = model.fast_embeddings.weight
         e = torch.empty(B, emb.shape[1], dtype=emb.dtype, device=emb.device)
-        s2_main_sample(logits.contiguous(), slots, self.frame, self.sampling, self.window, model.allowed_ids,
-                       self.n_sem, cols, idx, emb, e, draws_per_frame=DRAWS_PER_FRAME)
+        logits = logits.contiguous()
         fb = self.fast_backend
         fb._rows = B
         fb.position = 0
-        model.forward_fast(fast_in, 0, fb, n_out=0)
+        side = self._sampler_stream if B <= self.sampler_overlap else None
+        if side is not None:
+            # position 0 reads the slow model's hidden state only: the sampler runs beside it
+            # (launched without PDL: its predecessor is a cross-stream join) and the main
+            # stream waits for it before position 1 reads its embedding
+            main = torch.cuda.current_stream(logits.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side), pdl_suppressed():
+                s2_main_sample(logits, slots, self.frame, self.sampling, self.window, model.allowed_ids,
+                               self.n_sem, cols, idx, emb, e, draws_per_frame=DRAWS_PER_FRAME)
+            model.forward_fast(fast_in, 0, fb, n_out=0)
+            main.wait_stream(side)
+        else:
+            s2_main_sample(logits, slots, self.frame, self.sampling, self.window, model.allowed_ids,
+                           self.n_sem, cols, idx, emb, e, draws_per_frame=DRAWS_PER_FRAME)
+            model.forward_fast(fast_in, 0, fb, n_out=0)
         for k in range(1, self.C):
             fb.position = k
             fl = model.forward_fast(e, k, fb, n_out=self.n_res)
