@@ -100,7 +100,7 @@ def test_sampler_overlap_engine_codes_identical(monkeypatch, tmp_path):
 def test_sampler_overlap_switch(monkeypatch):
     from shoal.engine.runner import sampler_overlap_max_batch
 
-    for v, want in (("", 0), ("0", 0), ("off", 0), ("on", 1 << 30), ("all", 1 << 30), ("1", 1), ("16", 16)):
+    for v, want in (("", 1 << 30), ("0", 0), ("off", 0), ("on", 1 << 30), ("all", 1 << 30), ("1", 1), ("16", 16)):
         monkeypatch.setenv("SHOAL_SAMPLER_OVERLAP", v)
         assert sampler_overlap_max_batch() == want, v
     for bad in ("-2", "sometimes"):

@@ -53,16 +53,17 @@ def llm_stream_priority() -> int:
     return -100  # torch maps values past the device's range to its highest priority
 
 def sampler_overlap_max_batch() -> int:
-    """``SHOAL_SAMPLER_OVERLAP=N`` (``on``: every batch): in decode steps of at most N rows
-    (batch buckets), the fused main-token sampler runs on a side stream beside the fast
-    transformer's position 0 (which
+    """``SHOAL_SAMPLER_OVERLAP``: in decode steps of at most N rows (batch buckets), the fused
+    main-token sampler runs on a side stream beside the fast transformer's position 0 (which
     reads only the slow model's hidden state, not the sampled token), joined before position 1.
-    0 (the default) keeps them in sequence. Same kernels, same inputs: the same codes."""
+    Same kernels, same inputs: the same codes (tests/test_pdl_gpu.py). ``on`` (the default:
+    every batch), ``off`` / ``0``, or N. Measured on an H100 (2026-12-06, one machine): the
+    engine at one stream 146 -> 148 frames/s, at 64 streams 6,382 -> 6,403."""
     v = os.environ.get("SHOAL_SAMPLER_OVERLAP", "").strip().lower()
-    if v in ("", "0", "off", "false", "no"):
-        return 0
-    if v in ("on", "true", "yes", "all"):
+    if v in ("", "on", "true", "yes", "all"):
         return 1 << 30
+    if v in ("0", "off", "false", "no"):
+        return 0
     try:
         n = int(v)
     except ValueError:
