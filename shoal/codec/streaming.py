@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..envutil import env_int
 from .layers import IndexedState, StreamState, rope_table
 from .model import Codec
 
@@ -226,7 +227,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         # MiB added to the measured peak (SHOAL_CODEC_PRIME_MARGIN_MIB): on an H200 the captures
         # of a segment of exactly the peak still opened ~100 MiB of further segments
         # (docs/benchmarks.md, 2026-12-06), so a margin may keep the pool to one segment
-        self.prime_margin_mib = _env_int("SHOAL_CODEC_PRIME_MARGIN_MIB", 0)
+        self.prime_margin_mib = env_int("SHOAL_CODEC_PRIME_MARGIN_MIB", 0)
         self._primer: torch.cuda.CUDAGraph | None = None
 
     # ------------------------------------------------------------------ graph path
@@ -520,20 +521,7 @@ def group_positions_default() -> int | None:
     -- and the CUDA-graph pool that records it -- keeps of activations; ``0`` turns it off.
     512 against 1,024: a graph pool of 0.29 GiB against 0.98 for 24 graphs of up to 32 x 32
     frames, for calls ~2-3% slower (H200, docs/benchmarks.md 2026-12-04)."""
-    return _env_int("SHOAL_CODEC_GROUP_POSITIONS", 512) or None
-
-
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return n
+    return env_int("SHOAL_CODEC_GROUP_POSITIONS", 512) or None
 
 
 def pack_conv_weights(codec: Codec) -> int:
@@ -586,7 +574,7 @@ def configure_serving_layout(codec: Codec) -> str:
 
     if codec.device.type == "cuda":
         codec.configure_serving(group_positions=group_positions_default(),
-                                group_head_blocks=_env_int("SHOAL_CODEC_GROUP_HEAD_BLOCKS", 1))
+                                group_head_blocks=env_int("SHOAL_CODEC_GROUP_HEAD_BLOCKS", 1))
     ws = window_state_default()
     if ws is not None:  # unset: whatever the codec was configured with (kv until set)
         codec.configure_serving(window_state=ws)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from ..envutil import env_int
 from ..model.dualar import DualAR
 from .attention import (FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend,
                         SegmentedPrefillBackend)
@@ -62,15 +63,9 @@ def sampler_overlap_max_batch() -> int:
     v = os.environ.get("SHOAL_SAMPLER_OVERLAP", "").strip().lower()
     if v in ("", "on", "true", "yes", "all"):
         return 1 << 30
-    if v in ("0", "off", "false", "no"):
+    if v in ("off", "false", "no"):
         return 0
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"SHOAL_SAMPLER_OVERLAP must be a batch size, on or off, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"SHOAL_SAMPLER_OVERLAP must be >= 0, got {n}")
-    return n
+    return env_int("SHOAL_SAMPLER_OVERLAP", 0)
 
 
 # settings the start-up self-check of the fused sampler draws with (greedy, the nucleus walk,
