@@ -33,6 +33,22 @@ def _full_position(model, x, fb, position):
     return h
 
 
+def _run_positions(model, fb, xs, fused):
+    """Fast positions 0, 1, ... with inputs ``xs`` through ``forward_fast`` (position 0 K/V
+    only); the logits of positions 1, 2, ..."""
+    model.enable_fused_kernels(fused)
+    try:
+        got = []
+        for k, x in enumerate(xs):
+            fb.position = k
+            out = model.forward_fast(x, k, fb, n_out=0 if k == 0 else None)
+            if k:
+                got.append(out)
+    finally:
+        model.enable_fused_kernels(False)
+    return got
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -79,17 +95,7 @@ def test_fast_logits_after_the_kv_only_position_equal_the_full_computation(model
         h = _full_position(model, x, ref, k)
         want.append(model.fast_output(model.fast_norm(h[:, 0])))
 
-    model.enable_fused_kernels(fused)
-    try:
-        fb = _backend(model, rows)
-        got = []
-        for k, x in enumerate(xs):
-            fb.position = k
-            out = model.forward_fast(x, k, fb, n_out=0 if k == 0 else None)
-            if k:
-                got.append(out)
-    finally:
-        model.enable_fused_kernels(False)
+    got = _run_positions(model, _backend(model, rows), xs, fused)
     assert C > 2
     for k in (1, 2):
         assert torch.equal(got[k - 1], want[k]), k
@@ -130,3 +136,41 @@ def test_gpu_fused_kv_only_position_and_fused_final_norm_keep_the_bits():
                                     final_norm=model.fast_norm.weight)
     sep = add_rmsnorm(h1[:, 0], None, model.fast_norm.weight, model.config.norm_eps)[0]
     assert torch.equal(normed, sep)
+
+
+def _fast_run(model, rows, switch, monkeypatch, device="cpu"):
+    """Positions 0..3 of the fused fast path with ``SHOAL_FAST_ROPE_ATTN`` as given: the caches
+    and the logits of positions 1..3, and how often the one-kernel backend call ran."""
+    from shoal.kernels import fused
+
+    monkeypatch.setattr(fused, "fast_rope_attention_enabled", lambda: switch)
+    calls = []
+    fb = _backend(model, rows)
+    real = fb.rope_attend
+    monkeypatch.setattr(fb, "rope_attend", lambda *a: (calls.append(a[0]), real(*a))[1])
+    torch.manual_seed(2)
+    xs = [torch.randn(rows, model.config.fast.dim, device=device).to(model.dtype) for _ in range(4)]
+    return fb, _run_positions(model, fb, xs, True), calls
+
+
+def test_one_kernel_rope_attention_keeps_the_fast_path(model, monkeypatch):
+    """``SHOAL_FAST_ROPE_ATTN``: RoPE, the K/V write and the attention of every fast layer
+    through the backend's one call (except position 0's K/V-only last layer) leave the
+    caches and the logits exactly as the two-step path does."""
+    rows, n = 3, model.config.fast.n_layer
+    off, want, none = _fast_run(model, rows, False, monkeypatch)
+    on, got, calls = _fast_run(model, rows, True, monkeypatch)
+    assert none == [] and len(calls) == (n - 1) + 3 * n  # position 0: all but the last layer
+    assert torch.equal(on.k, off.k) and torch.equal(on.v, off.v)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the fused Triton kernels)")
+def test_gpu_one_kernel_rope_attention_keeps_the_bits(monkeypatch):
+    model = random_dualar(tiny_config(256), "cuda", torch.bfloat16, seed=5)
+    rows = 5
+    off, want, _ = _fast_run(model, rows, False, monkeypatch, "cuda")
+    on, got, calls = _fast_run(model, rows, True, monkeypatch, "cuda")
+    assert calls
+    assert torch.equal(on.k, off.k) and torch.equal(on.v, off.v)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -120,6 +120,8 @@ for _dt in ("fp32", "bf16"):
         INTERP_CASES[f"silu_mul_{_dt}_i{_inter}_b{_block}"] = ("silu_mul", _dt, _inter, _block)
     for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (4, 4, 128, 7), (6, 2, 64, 3)):
         INTERP_CASES[f"fast_attn_{_dt}_h{_h}_kv{_hkv}_d{_d}_len{_len}"] = ("fast_attn", _dt, _h, _hkv, _d, _len)
+    for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (6, 2, 64, 3)):
+        INTERP_CASES[f"fast_rope_attn_{_dt}_h{_h}_kv{_hkv}_d{_d}_len{_len}"] = ("fast_rope_attn", _dt, _h, _hkv, _d, _len)
 EXTRA_CASES = [
     "add_rmsnorm_bf16_fp32_weight",
     "add_rmsnorm_inplace_h_out",
@@ -174,6 +176,26 @@ def _interp_case(name):
                 checks["err_vs_fp32_math"] = ((o - r32).abs().max().item(), 1e-5)
             else:  # the fp32 result rounded once: within 1 ulp of fp32 math rounded to bf16
                 checks["ulp_vs_fp32_math"] = (float(ulp_diff(o, r32.to(dt)).max().item()), 1.0)
+            flags["dtype"] = o.dtype == dt and o.shape == (B, H, D)
+        elif kind == "fast_rope_attn":
+            _, _, H, H_kv, D, length = spec
+            B, rows, C = 3, 5, 10
+            qkv = rand((B, (H + 2 * H_kv) * D), dt, g, 2.0)
+            table = rand((C, D // 2, 2), dt, g)
+            kv = rand((2, rows, C, H_kv, D), dt, g)  # [k/v, rows, C, H_kv, D]
+            two, one, ref = kv.clone(), kv.clone(), kv.clone()
+            # the two-kernel path: RoPE + K/V write, then the attention
+            pos = torch.full((B,), length - 1, dtype=torch.long)
+            slots = torch.arange(B) * C + (length - 1)
+            q = fz.qk_norm_rope_write_triton(qkv, pos, table, None, None, 1e-6, two[0].view(rows * C, H_kv, D),
+                                             two[1].view(rows * C, H_kv, D), slots, H, H_kv, D)
+            want = fz.fast_decode_attention_triton(q, two[0], two[1], length)
+            o = fz.fast_rope_attention_triton(qkv, table, one[0], one[1], length, H, H_kv, D)
+            r = fz.fast_rope_attention_ref(qkv, table, ref[0], ref[1], length, H, H_kv, D)
+            flags["same_bits_as_two_kernels"] = torch.equal(o, want)
+            flags["same_caches_as_two_kernels"] = torch.equal(one, two)  # written slots, and nothing else
+            flags["caches_as_reference"] = torch.equal(one, ref)
+            checks["err_vs_ref"] = ((o.float() - r.float()).abs().max().item(), 1e-5 if dt == torch.float32 else 2e-2)
             flags["dtype"] = o.dtype == dt and o.shape == (B, H, D)
         else:
             raise KeyError(kind)

@@ -309,6 +309,17 @@ class FastCacheBackend:
         out = fast_decode_attention(q[:, 0], self.k[layer, :B], self.v[layer, :B], self.position + 1)
         return out[:, None]
 
+    def rope_attend(self, layer: int, qkv: Tensor, rope: Tensor, n_head: int, n_kv_head: int,
+                    head_dim: int) -> Tensor:
+        """RoPE of this position's q and k (no qk-norm), its K/V written, and the attention, as one
+        kernel (``SHOAL_FAST_ROPE_ATTN``; the bits of ``fused_target`` + ``qk_norm_rope_write`` +
+        :meth:`attend_only`). ``qkv`` [B, (H + 2 H_kv) D]; returns [B, 1, H, D]."""
+        from ..kernels.fused import fast_rope_attention
+
+        out = fast_rope_attention(qkv, rope, self.k[layer], self.v[layer], self.position + 1,
+                                  n_head, n_kv_head, head_dim)
+        return out[:, None]
+
     def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
         B, p = k.shape[0], self.position
         self.k[layer, :B, p] = k[:, 0]

@@ -63,6 +63,7 @@ so all of them can be captured in a CUDA graph (compile them once outside the ca
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import torch
@@ -91,6 +92,9 @@ __all__ = [
     "add_rmsnorm_ref",
     "add_rmsnorm_triton",
     "fast_decode_attention",
+    "fast_rope_attention",
+    "fast_rope_attention_ref",
+    "fast_rope_attention_triton",
     "fast_decode_attention_ref",
     "fast_decode_attention_triton",
     "qk_norm_rope_write",
@@ -487,6 +491,29 @@ if HAS_TRITON:
         o = _round(s * u, DT)
         tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
 
+    def _fast_program_impl(GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           LENGTH: tl.constexpr, LEN_PAD: tl.constexpr):
+        """A fast attention program's (row b, KV head) and lanes: positions n, dims d, the
+        valid-head and valid-position masks and the group's query heads."""
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, GROUP_PAD)
+        n = tl.arange(0, LEN_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        return b, kvh, n, d, g < GROUP, n < LENGTH, kvh * GROUP + g
+
+    def _fast_attend_impl(q, k, v, nm, scale, DT: tl.constexpr):
+        """Attention of the fast kernels: q [GROUP_PAD, D] over k / v [LEN_PAD, D] (fp32 values
+        of the stored dtype), positions where ``nm``; the output rounded to DT."""
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, LEN_PAD]
+        s = tl.where(nm[None, :], s, float("-inf"))
+        mx = tl.max(s, axis=1)
+        p = tl.exp(s - mx[:, None])
+        p = tl.where(nm[None, :], p, 0.0)
+        den = tl.sum(p, axis=1)
+        o = tl.sum(p[:, :, None] * v[None, :, :], axis=1) / den[:, None]
+        return _round(o, DT)
+
     def _fast_attn_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
@@ -500,28 +527,59 @@ if HAS_TRITON:
         PDL: tl.constexpr = False,
     ):
         pdl_enter(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
-        g = tl.arange(0, GROUP_PAD)
-        n = tl.arange(0, LEN_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        gm = g < GROUP
-        nm = n < LENGTH
-        heads = kvh * GROUP + g
+        b, kvh, n, d, gm, nm, heads = _fast_program(GROUP, GROUP_PAD, HEAD_DIM, LENGTH, LEN_PAD)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                     mask=gm[:, None], other=0.0).to(tl.float32)
         k = tl.load(k_ptr + b * stride_kb + n[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                     mask=nm[:, None], other=0.0).to(tl.float32)
         v = tl.load(v_ptr + b * stride_vb + n[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                     mask=nm[:, None], other=0.0).to(tl.float32)  # before the reductions: one round trip
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, LEN_PAD]
-        s = tl.where(nm[None, :], s, float("-inf"))
-        mx = tl.max(s, axis=1)
-        p = tl.exp(s - mx[:, None])
-        p = tl.where(nm[None, :], p, 0.0)
-        den = tl.sum(p, axis=1)
-        o = tl.sum(p[:, :, None] * v[None, :, :], axis=1) / den[:, None]
-        o = _round(o, DT)
+        o = _fast_attend(q, k, v, nm, scale, DT)
+        tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=gm[:, None])
+
+    def _fast_rope_attn_kernel(
+        qkv_ptr, cs_ptr, k_ptr, v_ptr, o_ptr, scale,
+        stride_qkv, stride_cs_p, stride_cs_i, stride_cs_c,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_oh,
+        N_HEAD: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, LENGTH: tl.constexpr, LEN_PAD: tl.constexpr, DT: tl.constexpr,
+        PDL: tl.constexpr = False,
+    ):
+        """One fast-transformer position in one launch: RoPE of q and k at position
+        LENGTH - 1 from the wqkv row, K and V stored into the row's cache there, then
+        _fast_attn_kernel's attention over positions [0, LENGTH) with the new K/V taken from
+        registers. Each value is computed by the same operations in the same order as
+        _qk_norm_rope_write_kernel (no qk-norm) followed by _fast_attn_kernel."""
+        pdl_enter(PDL)
+        b, kvh, n, d, gm, nm, heads = _fast_program(GROUP, GROUP_PAD, HEAD_DIM, LENGTH, LEN_PAD)
+        old = n < LENGTH - 1  # positions already in the cache
+        row = qkv_ptr + b * stride_qkv
+        # every load before any arithmetic: q and k with their RoPE partners (lane d ^ 1),
+        # the new V, this position's cos / sin per lane, the cached K / V
+        qx = tl.load(row + heads[:, None] * HEAD_DIM + d[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+        qp = tl.load(row + heads[:, None] * HEAD_DIM + (d ^ 1)[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+        kx = tl.load(row + (N_HEAD + kvh) * HEAD_DIM + d).to(tl.float32)
+        kp = tl.load(row + (N_HEAD + kvh) * HEAD_DIM + (d ^ 1)).to(tl.float32)
+        vraw = tl.load(row + (N_HEAD + N_KV + kvh) * HEAD_DIM + d)
+        cs = cs_ptr + (LENGTH - 1) * stride_cs_p + (d // 2) * stride_cs_i
+        cos = tl.load(cs).to(tl.float32)
+        sin = tl.load(cs + stride_cs_c).to(tl.float32)
+        kbase = k_ptr + b * stride_kb + kvh * stride_kh
+        vbase = v_ptr + b * stride_vb + kvh * stride_vh
+        kc = tl.load(kbase + n[:, None] * stride_kt + d[None, :], mask=old[:, None], other=0.0).to(tl.float32)
+        vc = tl.load(vbase + n[:, None] * stride_vt + d[None, :], mask=old[:, None], other=0.0).to(tl.float32)
+        # interleaved RoPE: even lane a*cos - b*sin, odd lane b*cos + a*sin, (a, b) a pair
+        even = (d % 2) == 0
+        q = _round(tl.where(even[None, :], qx * cos[None, :] - qp * sin[None, :],
+                            qx * cos[None, :] + qp * sin[None, :]), DT)
+        k_new = _round(tl.where(even, kx * cos - kp * sin, kx * cos + kp * sin), DT)
+        tl.store(kbase + (LENGTH - 1) * stride_kt + d, k_new.to(k_ptr.dtype.element_ty))
+        tl.store(vbase + (LENGTH - 1) * stride_vt + d, vraw)
+        last = (n == LENGTH - 1)[:, None]
+        k = tl.where(last, k_new[None, :], kc)
+        v = tl.where(last, vraw.to(tl.float32)[None, :], vc)
+        o = _fast_attend(q, k, v, nm, scale, DT)
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=gm[:, None])
 
@@ -539,6 +597,8 @@ if HAS_TRITON:
     else:
         from triton.runtime.jit import JITFunction as _Wrap
     _round = _Wrap(_round_impl)
+    _fast_attend = _Wrap(_fast_attend_impl)
+    _fast_program = _Wrap(_fast_program_impl)
 
     @functools.cache
     def _kernel(name: str):
@@ -948,26 +1008,102 @@ def fast_decode_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, le
         q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("caches must be contiguous in head_dim")
-    if out is None:
-        out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
-    elif out.shape != (B, H, D) or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{B}, {H}, {D}] {q.dtype}, contiguous in D")
+    out = _fast_out(out, B, H, D, q)
     if B == 0:
         return out
-    group = H // H_kv
     _kernel("_fast_attn_kernel")[(B, H_kv)](
         q, k_cache, v_cache, out, float(D ** -0.5 if scale is None else scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-        GROUP=group,
-        GROUP_PAD=_next_pow2(group),
-        HEAD_DIM=D,
-        LENGTH=length,
-        LEN_PAD=max(2, _next_pow2(length)),
-        DT=_DT_CODE[q.dtype],
-        **_launch_opts(4, q),
+        **_fast_meta(H, H_kv, D, length, q.dtype), **_launch_opts(4, q),
     )
     return out
+
+
+def _fast_out(out: Tensor | None, B: int, H: int, D: int, like: Tensor) -> Tensor:
+    """The fast attention's output [B, H, D] in ``like``'s dtype: ``out`` checked, or a new one."""
+    if out is None:
+        return torch.empty((B, H, D), dtype=like.dtype, device=like.device)
+    if out.shape != (B, H, D) or out.dtype != like.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{B}, {H}, {D}] {like.dtype}, contiguous in D")
+    return out
+
+
+def _fast_meta(H: int, H_kv: int, D: int, length: int, dtype: torch.dtype) -> dict:
+    """The compile-time constants the fast attention kernels share."""
+    group = H // H_kv
+    return {"GROUP": group, "GROUP_PAD": _next_pow2(group), "HEAD_DIM": D, "LENGTH": length,
+            "LEN_PAD": max(2, _next_pow2(length)), "DT": _DT_CODE[dtype]}
+
+
+@functools.cache
+def fast_rope_attention_enabled() -> bool:
+    """``SHOAL_FAST_ROPE_ATTN=1``: each fast-transformer position's RoPE, K/V write and attention
+    run as one kernel (:func:`fast_rope_attention_triton`) instead of two; the same bits. Off
+    until measured on the GPU."""
+    return os.environ.get("SHOAL_FAST_ROPE_ATTN", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def fast_rope_attention_ref(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
+                            n_head: int, n_kv_head: int, head_dim: int, scale: float | None = None) -> Tensor:
+    """RoPE of q and k at position ``length - 1`` (interleaved pairs, no qk-norm), K/V written to
+    the per-row caches ``[rows >= B, C, H_kv, D]`` there, then :func:`fast_decode_attention_ref`
+    over ``[0, length)``; ``qkv`` [B, (H + 2 H_kv) D]. Returns [B, H, D]."""
+    B = qkv.shape[0]
+    pos = torch.full((B,), length - 1, dtype=torch.long, device=qkv.device)
+    q, k, v = _split_qkv(qkv, n_head, n_kv_head, head_dim)
+    cs = cos_sin[pos]
+    q = _apply_rope_ref(q, cs)
+    k = _apply_rope_ref(k, cs)
+    k_cache[:B, length - 1] = k
+    v_cache[:B, length - 1] = v
+    return fast_decode_attention_ref(q, k_cache, v_cache, length, scale)
+
+
+def fast_rope_attention_triton(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
+                               n_head: int, n_kv_head: int, head_dim: int, scale: float | None = None, *,
+                               out: Tensor | None = None) -> Tensor:
+    """Kernel version of :func:`fast_rope_attention_ref`: one launch where
+    :func:`qk_norm_rope_write` then :func:`fast_decode_attention` take two, with the same
+    bits (the K/V written and the output)."""
+    _require_kernel(qkv)
+    _check_dtype("qkv", qkv)
+    D, H, H_kv = head_dim, n_head, n_kv_head
+    if D < 2 or D & (D - 1):
+        raise ValueError(f"head_dim must be a power of two, got {D}")
+    if qkv.dim() != 2 or qkv.shape[1] != (H + 2 * H_kv) * D or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv must be [B, {(H + 2 * H_kv) * D}] contiguous in its last dim, got {tuple(qkv.shape)}")
+    B = qkv.shape[0]
+    rows, C, hk, Dk = k_cache.shape
+    length = int(length)
+    if v_cache.shape != k_cache.shape or hk != H_kv or Dk != D or H % H_kv or rows < B or not 1 <= length <= C:
+        raise ValueError(f"bad shapes: qkv {tuple(qkv.shape)}, cache {tuple(k_cache.shape)}, length {length}")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError("qkv and caches must share a dtype")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches must be contiguous in head_dim")
+    if cos_sin.dim() != 3 or cos_sin.shape[1:] != (D // 2, 2) or cos_sin.shape[0] < length:
+        raise ValueError(f"cos_sin must be [>= {length}, {D // 2}, 2], got {tuple(cos_sin.shape)}")
+    out = _fast_out(out, B, H, D, qkv)
+    if B == 0:
+        return out
+    _kernel("_fast_rope_attn_kernel")[(B, H_kv)](
+        qkv, cos_sin, k_cache, v_cache, out, float(D ** -0.5 if scale is None else scale),
+        qkv.stride(0), cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        N_HEAD=H, N_KV=H_kv, **_fast_meta(H, H_kv, D, length, qkv.dtype), **_launch_opts(4, qkv),
+    )
+    return out
+
+
+def fast_rope_attention(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
+                        n_head: int, n_kv_head: int, head_dim: int, scale: float | None = None) -> Tensor:
+    """RoPE + K/V write + attention of one fast position (see :func:`fast_rope_attention_ref`):
+    the kernel where Triton runs, else the reference."""
+    if use_triton(qkv):
+        return fast_rope_attention_triton(qkv, cos_sin, k_cache, v_cache, length, n_head, n_kv_head, head_dim, scale)
+    return fast_rope_attention_ref(qkv, cos_sin, k_cache, v_cache, length, n_head, n_kv_head, head_dim, scale)
 
 
 def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,

@@ -190,10 +190,12 @@ class DualAR(nn.Module):
         writes its K/V (the positions' outputs are not read) and None is returned."""
         from ..kernels import fp8_fused
         from ..kernels.fp8 import silu_mul_quant
-        from ..kernels.fused import add_rmsnorm, qk_norm_rope_write, silu_mul
+        from ..kernels.fused import add_rmsnorm, fast_rope_attention_enabled, qk_norm_rope_write, silu_mul
 
         eps = self.config.norm_eps
         B, S, D = x.shape
+        # SHOAL_FAST_ROPE_ATTN: a backend with one kernel for RoPE + K/V write + attention
+        rope_attend = getattr(backend, "rope_attend", None) if fast_rope_attention_enabled() else None
         N = B * S
         pos = positions.reshape(N)
         h = x.reshape(N, D)
@@ -208,16 +210,21 @@ class DualAR(nn.Module):
             att = layer.attention
             sh = att.shape
             qkv = fp8_fused.project(att.wqkv, act) if fp8 else _linear(att.wqkv, normed)
-            k_cache, v_cache, slots = backend.fused_target(i)
-            k_scale, v_scale = backend.kv_scales(i) if hasattr(backend, "kv_scales") else (None, None)
-            q = qk_norm_rope_write(qkv, pos, rope,
-                                   att.q_norm.weight if sh.qk_norm else None,
-                                   att.k_norm.weight if sh.qk_norm else None, eps,
-                                   k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim,
-                                   k_scale=k_scale, v_scale=v_scale)
-            if kv_only_last and i + 1 == len(layers):
-                return None  # K/V written; attention, wo and the MLP would feed nothing
-            y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
+            if (rope_attend is not None and not sh.qk_norm and isinstance(qkv, Tensor)
+                    and not (kv_only_last and i + 1 == len(layers))):
+                # RoPE, the K/V write and the attention as one kernel (fast positions)
+                y = rope_attend(i, qkv, rope, sh.n_head, sh.n_local_heads, sh.head_dim)
+            else:
+                k_cache, v_cache, slots = backend.fused_target(i)
+                k_scale, v_scale = backend.kv_scales(i) if hasattr(backend, "kv_scales") else (None, None)
+                q = qk_norm_rope_write(qkv, pos, rope,
+                                       att.q_norm.weight if sh.qk_norm else None,
+                                       att.k_norm.weight if sh.qk_norm else None, eps,
+                                       k_cache, v_cache, slots, sh.n_head, sh.n_local_heads, sh.head_dim,
+                                       k_scale=k_scale, v_scale=v_scale)
+                if kv_only_last and i + 1 == len(layers):
+                    return None  # K/V written; attention, wo and the MLP would feed nothing
+                y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
             ff = layer.feed_forward
             if fp8:
                 a = fp8_fused.project(att.wo, y.reshape(N, sh.q_size))
