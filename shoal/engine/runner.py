@@ -22,6 +22,7 @@ import bisect
 import logging
 import os
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -313,21 +314,18 @@ class ModelRunner:
         fb._rows = B
         fb.position = 0
         side = self._sampler_stream if B <= self.sampler_overlap else None
+        # position 0 reads the slow model's hidden state only: with a side stream the sampler
+        # runs beside it (launched without PDL: its predecessor is a cross-stream join) and the
+        # main stream waits for it before position 1 reads its embedding
+        main = torch.cuda.current_stream(logits.device) if side is not None else None
         if side is not None:
-            # position 0 reads the slow model's hidden state only: the sampler runs beside it
-            # (launched without PDL: its predecessor is a cross-stream join) and the main
-            # stream waits for it before position 1 reads its embedding
-            main = torch.cuda.current_stream(logits.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side), pdl_suppressed():
-                s2_main_sample(logits, slots, self.frame, self.sampling, self.window, model.allowed_ids,
-                               self.n_sem, cols, idx, emb, e, draws_per_frame=DRAWS_PER_FRAME)
-            model.forward_fast(fast_in, 0, fb, n_out=0)
-            main.wait_stream(side)
-        else:
+        with torch.cuda.stream(side) if side is not None else nullcontext(), pdl_suppressed(side is not None):
             s2_main_sample(logits, slots, self.frame, self.sampling, self.window, model.allowed_ids,
                            self.n_sem, cols, idx, emb, e, draws_per_frame=DRAWS_PER_FRAME)
-            model.forward_fast(fast_in, 0, fb, n_out=0)
+        model.forward_fast(fast_in, 0, fb, n_out=0)
+        if side is not None:
+            main.wait_stream(side)
         for k in range(1, self.C):
             fb.position = k
             fl = model.forward_fast(e, k, fb, n_out=self.n_res)
