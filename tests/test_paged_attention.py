@@ -131,7 +131,15 @@ INTERP_CASES = {
     "s2pro_heads_fp32_s3_bn16": (1, 32, 8, 128, 32, [90], "fp32", 3, 16, "neg1"),
 }
 # Extra worker checks: public entry point dispatch, out=, strided q / caches.
-EXTRA_CASES = ["public_dispatch_bf16", "out_and_strided_fp32", "fused_reduce_bitwise"]
+EXTRA_CASES = ["public_dispatch_bf16", "out_and_strided_fp32", "fused_reduce_bitwise", "tma_bitwise"]
+
+# name -> (B, H, H_kv, D, block_size, lens, dtype, num_splits): page-per-tile descriptor reads
+TMA_CASES = {
+    "bs64_bf16_auto": (5, 32, 8, 128, 64, [1, 63, 64, 65, 200], "bf16", None),
+    "bs32_bf16_s3": (2, 32, 8, 128, 32, [5, 100], "bf16", 3),
+    "bs32_fp32_s1": (3, 8, 2, 64, 32, [31, 32, 33], "fp32", 1),
+    "bs128_bf16_s2_g8": (2, 8, 1, 32, 128, [129, 7], "bf16", 2),
+}
 
 
 def _err(a, b):
@@ -186,6 +194,24 @@ def _run_interp_case(name):
         counters = fp8._counters.get(("cpu", None))
         reset = counters is not None and not bool(counters.any())
         return {"err": 0.0 if same else 1.0, "finite": True, "dtype_ok": reset, "tol": 0.0}
+    if name == "tma_bitwise":
+        # a page per tile through tensor descriptors equals the pointer gather with block_n = the
+        # page size bit for bit (NaN in every slot past a context: the value rows there are
+        # zeroed), with both reduce forms; and the public entry point takes the descriptor path
+        errs, applied = [], True
+        for case, (B, H, H_kv, D, bs, lens, dt, splits) in TMA_CASES.items():
+            q, k, v, bt, cl, _, _ = make_case(B, H, H_kv, D, bs, lens, _DTYPES[dt], seed=zlib.crc32(case.encode()) % 1000)
+            applied = applied and pa.kv_tma_descriptors(k, v) is not None
+            g = pa.paged_decode_attention_triton(q, k, v, bt, cl, 0.09, num_splits=splits, block_n=bs, tma=False)
+            for fused in (False, True):
+                t = pa.paged_decode_attention_triton(q, k, v, bt, cl, 0.09, num_splits=splits, tma=True,
+                                                     fused_reduce=fused)
+                errs.append(0.0 if torch.equal(t, g) else max(_err(t, g), 1.0))
+            r = pa.paged_decode_attention_ref(q, k, v, bt, cl, 0.09)
+            errs.append(_err(t, r) / (50 if dt == "bf16" else 1))  # within the dtype's tolerance
+        q, k, v, bt, cl, _, _ = make_case(2, 8, 2, 64, 16, [5, 40], torch.bfloat16, seed=2)
+        applied = applied and pa.kv_tma_descriptors(k, v) is None  # 16-token pages: gather
+        return {"err": max(errs), "finite": True, "dtype_ok": applied, "tol": 1e-3}
     raise KeyError(name)
 
 
@@ -406,6 +432,39 @@ def test_gpu_fused_reduce_is_bit_identical(splits, B):
         assert torch.equal(out, a)
     counters = fp8._counters.get(("cuda", q.device.index))
     assert counters is not None and not bool(counters.any())
+
+
+@gpu
+@pytest.mark.parametrize("splits", [None, 1, 5])
+@pytest.mark.parametrize("bs", [32, 64, 128])
+def test_gpu_tma_tiles_equal_the_gather(bs, splits):
+    """A page per tile through tensor descriptors (SHOAL_ATTN_TMA) equals the pointer gather with
+    ``block_n`` = the page size bit for bit at S2-Pro heads, with NaN in every slot past the
+    contexts, also when replayed in a CUDA graph on new lengths and tables."""
+    lens = [1, bs - 1, bs, bs + 1, 700, 2047, 33]
+    q, k, v, bt, cl = _gpu_case(len(lens), 32, 8, 128, bs, lens, torch.bfloat16, seed=bs + (splits or 0))
+    pos = torch.arange(bt.shape[1] * bs, device="cuda")
+    past = (pos[None, :] >= cl[:, None]) & (bt.long()[:, pos // bs] >= 0)
+    pages, slots = bt.long()[:, pos // bs][past], (pos % bs).expand(len(lens), -1)[past]
+    k[pages, slots] = float("nan")
+    v[pages, slots] = float("nan")
+    assert pa.kv_tma_descriptors(k, v) is not None
+    g = pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, block_n=bs, tma=False)
+    t = pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, tma=True)
+    assert torch.isfinite(t).all()
+    assert torch.equal(t, g)
+    r = pa.paged_decode_attention_ref(q, k, v, bt, cl, 128**-0.5)
+    torch.testing.assert_close(t.float(), r.float(), atol=2e-2, rtol=2e-2)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, tma=True, out=out)
+    bt.copy_(bt.flip(0))  # each row's new length within its new pages
+    cl.copy_(torch.tensor([20, 1500, 2 * bs - 3, bs + 1, 2, bs - 1, 1], dtype=torch.int32))
+    graph.replay()
+    g = pa.paged_decode_attention_triton(q, k, v, bt, cl, 128**-0.5, num_splits=splits, block_n=bs, tma=False)
+    # slots past the new contexts may now be NaN or old values: the gather masks them, so must TMA
+    assert torch.equal(out, g)
 
 
 @gpu

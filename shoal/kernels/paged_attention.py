@@ -64,6 +64,8 @@ except Exception:  # pragma: no cover - older Triton
 __all__ = [
     "HAS_TRITON",
     "FP8_KV_CONFIG",
+    "attention_tma",
+    "kv_tma_descriptors",
     "check_kv_scales",
     "fp8_kv_config",
     "choose_num_splits",
@@ -216,7 +218,14 @@ if HAS_TRITON:
         cnt_ptr=None,
         SPLITS_PAD: tl.constexpr = 2,
         FUSED_REDUCE: tl.constexpr = False,
+        TMA: tl.constexpr = False,
     ):
+        # TMA (bf16 / fp16 / fp32 cache, ``BLOCK_N == PAGE_SIZE``): ``k_ptr`` / ``v_ptr`` are
+        # tensor descriptors of the layer's cache viewed 2-D, ``[pages * PAGE_SIZE, H_kv * D]``
+        # in ``[PAGE_SIZE, D]`` boxes (:func:`kv_tma_descriptors`): a tile is one page, two bulk
+        # copies instead of a pointer gather. The slots of the last page past the context may
+        # hold anything (a NaN would survive a zero probability), so the value rows there are
+        # zeroed as the gather's masked load zeroes them: the same operands, the same bits.
         pdl_enter(PDL)
         kvh = tl.program_id(0)
         b = tl.program_id(1)
@@ -245,8 +254,9 @@ if HAS_TRITON:
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
 
         bt_row = bt_ptr + b * stride_btb
-        k_head = k_ptr + kvh * stride_kh
-        v_head = v_ptr + kvh * stride_vh
+        if not TMA:
+            k_head = k_ptr + kvh * stride_kh
+            v_head = v_ptr + kvh * stride_vh
         ks_head = ks_ptr + kvh
         vs_head = vs_ptr + kvh
         if KV_FP8:
@@ -277,12 +287,17 @@ if HAS_TRITON:
             for tile in range(tile_lo, tile_hi):
                 tok = tile * BLOCK_N + offs_n
                 tok_mask = tok < ctx
-                page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
-                slot = tok % PAGE_SIZE
-                k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
-                            mask=tok_mask[:, None], other=0.0)
-                v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
-                            mask=tok_mask[:, None], other=0.0)
+                if TMA:
+                    row = tl.load(bt_row + tile) * PAGE_SIZE
+                    k = k_ptr.load([row, kvh * HEAD_DIM])  # [BLOCK_N, D]
+                    v = tl.where(tok_mask[:, None], v_ptr.load([row, kvh * HEAD_DIM]), 0.0)
+                else:
+                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+                    slot = tok % PAGE_SIZE
+                    k = tl.load(k_head + page[:, None] * stride_kb + slot[:, None] * stride_kt + offs_d[None, :],
+                                mask=tok_mask[:, None], other=0.0)
+                    v = tl.load(v_head + page[:, None] * stride_vb + slot[:, None] * stride_vt + offs_d[None, :],
+                                mask=tok_mask[:, None], other=0.0)
                 m_i, l_i, acc = _attend_tile(q, k, v, k, v, tok_mask[None, :], m_i, l_i, acc, qk_scale,
                                              False, UPCAST_DOT, DOT_PRECISION)
 
@@ -606,6 +621,51 @@ def _fp8_kv_config(env: str) -> tuple:
     return tuple(cfg.items())
 
 
+TMA_ENV = "SHOAL_ATTN_TMA"
+"""Environment variable: ``1`` reads a bf16 / fp16 / fp32 KV cache's tiles as tensor-descriptor
+boxes instead of by pointer gather (see :func:`attention_tma`)."""
+
+KV_TMA_PAGE_SIZES = (32, 64, 128)  # pages a tile of the standard kernel may read as one box
+_KV_DESCRIPTORS: dict = {}
+
+
+@functools.cache
+def attention_tma() -> bool:
+    """Whether the decode attention on a bf16 / fp16 / fp32 cache reads a page per tile through
+    tensor descriptors where it can (:func:`kv_tma_descriptors`; ``SHOAL_ATTN_TMA=1``, default
+    off). Same operands as the pointer gather with ``block_n`` equal to the page size, so the
+    same bits. Measured on an H200 (2026-12-06, third session, 64-token pages): level at 1-16
+    sequences, 1.06-1.28x *slower* at 64-128 (64 x 700 tokens: 60.8 against 49.1 us): the
+    gather already streams at 3.7-4.4 TB/s there, docs/benchmarks.md."""
+    return os.environ.get(TMA_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def kv_tma_descriptors(k_cache, v_cache):
+    """``(k_desc, v_desc)``: tensor descriptors of one layer's standard-layout cache (``[num_blocks,
+    block_size, H_kv, D]``, contiguous) viewed ``[num_blocks * block_size, H_kv * D]`` in ``[block_size,
+    D]`` boxes, or None where they do not apply: a page size outside :data:`KV_TMA_PAGE_SIZES`,
+    another layout, a base not 16-byte aligned, or a compiled launch on a GPU without TMA
+    (compute capability < 9.0). Cached per (addresses, shape, dtype): a descriptor holds only
+    those."""
+    nb, bs, hkv, d = k_cache.shape
+    std = (bs * hkv * d, hkv * d, d, 1)
+    if (bs not in KV_TMA_PAGE_SIZES or k_cache.stride() != std or v_cache.stride() != std
+            or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or (hkv * d * k_cache.element_size()) % 16):
+        return None
+    if k_cache.is_cuda and not triton_interpreting() and torch.cuda.get_device_capability(k_cache.device) < (9, 0):
+        return None
+    key = (k_cache.data_ptr(), v_cache.data_ptr(), tuple(k_cache.shape), k_cache.dtype, str(k_cache.device))
+    hit = _KV_DESCRIPTORS.get(key)
+    if hit is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if len(_KV_DESCRIPTORS) > 4096:
+            _KV_DESCRIPTORS.clear()
+        hit = _KV_DESCRIPTORS[key] = tuple(TensorDescriptor.from_tensor(c.view(nb * bs, hkv * d), [bs, d])
+                                           for c in (k_cache, v_cache))
+    return hit
+
+
 def paged_decode_attention_triton(
     q,
     k_cache,
@@ -635,7 +695,10 @@ def paged_decode_attention_triton(
     in another order). The e4m3-operand kernel (FP8 cache, ``cvt`` "mma8") always uses the
     reduce kernel: ``fused_reduce`` does not apply to it. ``tma`` (default: the FP8 config's
     ``tma``): that kernel reads a token-minor cache with pages of 32-128 tokens a page per tile
-    through tensor descriptors (when ``block_n`` is unset or the page size).
+    through tensor descriptors (when ``block_n`` is unset or the page size). On a bf16 / fp16 /
+    fp32 cache, ``tma`` (default :func:`attention_tma`) reads a page per tile the same way where
+    :func:`kv_tma_descriptors` applies (pages of 32-128 tokens, the standard layout, sm_90+): the
+    same operands as the gather with ``block_n`` set to the page size, so the same bits.
 
     ``num_splits`` / ``block_n`` (power of two >= 16) override the heuristics;
     ``num_warps`` / ``num_stages`` are passed to the split kernel (default 4 / 2). ``k_scale`` /
@@ -693,6 +756,11 @@ def paged_decode_attention_triton(
         from .paged_attention_fp8 import tma_descriptors
 
         descs = tma_descriptors(k_cache, v_cache)  # pages of 32-128 tokens: one page per tile
+        if descs is not None:
+            block_n = block_size
+    elif (not kv_fp8 and (attention_tma() if tma is None else tma)
+          and (block_n_arg is None or block_n_arg == block_size)):
+        descs = kv_tma_descriptors(k_cache, v_cache)  # pages of 32-128 tokens: one page per tile
         if descs is not None:
             block_n = block_size
     num_warps = 4 if num_warps is None else num_warps
@@ -754,8 +822,7 @@ def paged_decode_attention_triton(
     if not mma8:
         split_kernel[(H_kv, B, num_splits)](
             q,
-            k_cache,
-            v_cache,
+            *(descs if descs is not None else (k_cache, v_cache)),
             k_scale if kv_fp8 else k_cache,
             v_scale if kv_fp8 else v_cache,
             block_tables,
@@ -791,6 +858,7 @@ def paged_decode_attention_triton(
             cnt_ptr=counters if counters is not None else context_lens,
             SPLITS_PAD=max(2, _next_pow2(num_splits)),
             FUSED_REDUCE=counters is not None,
+            TMA=descs is not None,
             num_warps=num_warps,
             num_stages=num_stages,
             **pdl,
