@@ -49,14 +49,32 @@ def _gathered(bs, slots):
     return BatchSampling(**{k: v[slots] for k, v in bs.fields().items()})
 
 
-def compare_draws(B, S, A, n, dtype, n_sem, seed, device="cpu", ties=False, frames=None):
-    """Kernel vs PyTorch for the main token and two residual codebooks -> (mismatches, draws, ok)."""
+# long nucleus walks: near-flat rows keep every rank up to top_k (the walk's 8-rank chunks end
+# mid-chunk, exactly at a chunk's end, and at the row's end: V below 8 and below top_k)
+FLAT_PARAMS = [
+    SamplingParams(temperature=0.8, top_p=0.8, top_k=30),
+    SamplingParams(temperature=1.0, top_p=0.999, top_k=64),
+    SamplingParams(temperature=0.9, top_p=0.99, top_k=16),
+    SamplingParams(temperature=0.7, top_p=0.95, top_k=9),
+    SamplingParams(temperature=0.8, top_p=0.5, top_k=30),
+    SamplingParams(temperature=1.1, top_p=0.999, top_k=8, ras_top_p=0.3),
+]
+
+
+def compare_draws(B, S, A, n, dtype, n_sem, seed, device="cpu", ties=False, frames=None, scale=3.0,
+                  params=None):
+    """Kernel vs PyTorch for the main token and two residual codebooks -> (mismatches, draws, ok).
+    ``scale``: the logits' standard deviation (small: near-flat rows, long nucleus walks);
+    ``params``: the requests' sampling parameters (default ``PARAMS``)."""
     g = torch.Generator().manual_seed(seed)
-    bs = _state(S)
+    if params is None:
+        bs = _state(S)
+    else:
+        bs = BatchSampling.from_params([params[i % len(params)] for i in range(S)], [100 + 7919 * i for i in range(S)])
     bs = BatchSampling(**{k: v.to(device) for k, v in bs.fields().items()})
     slots = torch.randperm(S, generator=g)[:B].to(device)
     frame = (torch.randint(0, 5000, (S,), generator=g) if frames is None else frames).to(device)
-    logits = torch.randn(B, A, generator=g) * 3
+    logits = torch.randn(B, A, generator=g) * scale
     if ties:
         logits = torch.round(logits * 4) / 4  # many equal logits
     logits = logits.to(dtype).to(device)
@@ -80,7 +98,7 @@ def compare_draws(B, S, A, n, dtype, n_sem, seed, device="cpu", ties=False, fram
               and torch.equal(e, emb[code0]))
     noise = residual_noise(gb, frame[slots], 10, n)
     for k in (1, 9):
-        fl = (torch.randn(B, n, generator=g) * 3).to(dtype).to(device)
+        fl = (torch.randn(B, n, generator=g) * scale).to(dtype).to(device)
         last = k == 9
         ks.s2_residual_sample(fl, slots, frame, bs, 1 + k, cols, 1 + k, None if last else emb, None if last else e)
         wk = residual_code(fl, gb, frame[slots], k, "s2", None, noise[:, k])
@@ -162,7 +180,8 @@ def engine_codes(fused: bool, frames: int = 4, check: bool = False):
 # interpreter worker
 # --------------------------------------------------------------------------------------
 
-CASES = ["fp32", "bf16", "bf16_ties", "fp32_frame_edges", "u_one", "engine"]
+CASES = ["fp32", "bf16", "bf16_ties", "fp32_frame_edges", "fp32_flat", "bf16_flat", "bf16_flat_tiny", "u_one",
+         "engine"]
 
 
 def _case(name):
@@ -175,6 +194,14 @@ def _case(name):
         checks["mismatches"] = (mism, 0)
         flags["outputs_consistent"] = ok
         flags["drew"] = draws == 30
+    elif name in ("fp32_flat", "bf16_flat", "bf16_flat_tiny"):
+        dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
+        tiny = name.endswith("tiny")
+        mism, draws, ok = compare_draws(B=12, S=12, A=9 if tiny else 300, n=5 if tiny else 128, dtype=dtype,
+                                        n_sem=8 if tiny else 290, seed=len(name), scale=0.05, params=FLAT_PARAMS)
+        checks["mismatches"] = (mism, 0)
+        flags["outputs_consistent"] = ok
+        flags["drew"] = draws == 36
     elif name == "u_one":
         torch_code, kernel_code, nucleus = u_one_case()
         flags["torch_in_nucleus"] = torch_code == nucleus
@@ -243,6 +270,33 @@ def test_gpu_kernels_match_torch_sampler_at_s2_pro_sizes():
     assert total_mism <= total // 100
     torch_code, kernel_code, nucleus = u_one_case("cuda")
     assert torch_code == kernel_code == nucleus
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scale", [0.05, 3.0])
+def test_gpu_walk8_draws_what_the_rank_walk_draws(monkeypatch, scale):
+    """SHOAL_SAMPLER_WALK8: eight ranks per reduction draw exactly what one rank per reduction
+    draws, at S2-Pro sizes, on near-flat rows (walks to top_k) and peaked ones."""
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(ks, "walk8", lambda on=on: on)
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(7)
+        B, S = 64, 80
+        bs = BatchSampling.from_params([FLAT_PARAMS[i % len(FLAT_PARAMS)] for i in range(S)],
+                                       [3 + 7919 * i for i in range(S)], "cuda")
+        slots = torch.randperm(S, generator=g)[:B].cuda()
+        frame = torch.randint(0, 5000, (S,), generator=g).cuda()
+        logits = (torch.randn(B, 4097, generator=g) * scale).to(torch.bfloat16).cuda()
+        window = torch.randint(-1, 4097, (S, 16), generator=g).cuda()
+        cols = torch.zeros(B, 11, dtype=torch.long, device="cuda")
+        idx = torch.zeros(B, dtype=torch.long, device="cuda")
+        ks.s2_main_sample(logits, slots, frame, bs, window, torch.arange(4097, device="cuda"), 4096, cols, idx)
+        for k in range(1, 10):
+            fl = (torch.randn(B, 1024, generator=g) * scale).to(torch.bfloat16).cuda()
+            ks.s2_residual_sample(fl, slots, frame, bs, 1 + k, cols, 1 + k)
+        runs.append(cols.clone())
+    assert torch.equal(runs[0], runs[1])
 
 
 if __name__ == "__main__":

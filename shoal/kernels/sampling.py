@@ -18,8 +18,9 @@ nucleus is the prefix of the descending order (ties: lower index first, as a sta
 whose ranks r satisfy r == 0 or (r < top_k and cum_r <= top_p), where cum_r is the fp32 running
 sum of the softmax values (each rounded to the logits dtype) rounded to the logits dtype --
 PyTorch's CPU cumsum; its CUDA bf16 cumsum rounds the running sum at every step. No sort: the
-kernel walks the ranks in order with one max reduction each until every draw has stopped
-keeping them (top_k 30 bounds the walk at 30), then draws vectorized over the row: the first
+kernel walks the ranks in order, eight at a time from one reduction that merges sorted top-8
+lists, until every draw has stopped keeping them (top_k 30 bounds the walk at 30: four
+reductions), then draws vectorized over the row: the first
 index of ``max(probs / q)`` with ``probs = softmax(logits / temperature)`` over the kept set
 and the counter-hash noise ``q = -log U``. Exponentials, logarithms and divisions are
 IEEE-accurate (libdevice, ``div_rn``), so the kernel draws what the PyTorch sampler draws
@@ -28,6 +29,9 @@ scores tie within an fp32 ulp (tests/test_sampling_kernels.py counts them: 0 so 
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 from torch import Tensor
@@ -138,13 +142,62 @@ if HAS_TRITON:
         return hi
 
     @triton.jit
+    def _cswap(a, b):
+        """A compare-exchange: (larger, smaller)."""
+        return tl.maximum(a, b), tl.minimum(a, b)
+
+    @triton.jit
+    def _top8_merge(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+        """The 8 largest of two descending 8-lists, descending (a bitonic merge: the elementwise
+        max of one list and the other reversed holds them as a bitonic sequence, then three
+        half-cleaner stages sort it)."""
+        m0 = tl.maximum(a0, b7)
+        m1 = tl.maximum(a1, b6)
+        m2 = tl.maximum(a2, b5)
+        m3 = tl.maximum(a3, b4)
+        m4 = tl.maximum(a4, b3)
+        m5 = tl.maximum(a5, b2)
+        m6 = tl.maximum(a6, b1)
+        m7 = tl.maximum(a7, b0)
+        m0, m4 = _cswap(m0, m4)
+        m1, m5 = _cswap(m1, m5)
+        m2, m6 = _cswap(m2, m6)
+        m3, m7 = _cswap(m3, m7)
+        m0, m2 = _cswap(m0, m2)
+        m1, m3 = _cswap(m1, m3)
+        m4, m6 = _cswap(m4, m6)
+        m5, m7 = _cswap(m5, m7)
+        m0, m1 = _cswap(m0, m1)
+        m2, m3 = _cswap(m2, m3)
+        m4, m5 = _cswap(m4, m5)
+        m6, m7 = _cswap(m6, m7)
+        return m0, m1, m2, m3, m4, m5, m6, m7
+
+    @triton.jit
+    def _walk_rank(cur, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V, k, p_a, p_b, ROUND: tl.constexpr,
+                   ACCURATE: tl.constexpr, KEY32: tl.constexpr):
+        """Rank ``r`` (key ``cur``) of the nucleus walk: its rounded softmax value joins the
+        running sum, and each draw that still keeps ranks keeps this one if ``r < top_k`` and
+        the rounded sum is within its top_p. Past the row's last rank (``r >= V``) nothing is
+        kept (``cur`` is then a sentinel)."""
+        cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
+        c = _round_dt(cum, ROUND)
+        keep = (r < V) & (r < k)
+        alive_a = alive_a & keep & (c <= p_a)
+        alive_b = alive_b & keep & (c <= p_b)
+        thr_a = tl.where(alive_a, cur, thr_a)
+        thr_b = tl.where(alive_b, cur, thr_b)
+        return r + 1, cum, alive_a, alive_b, thr_a, thr_b
+
+    @triton.jit
     def _nucleus(x, key, V, k, p_a, p_b, TWO: tl.constexpr, ROUND: tl.constexpr, ACCURATE: tl.constexpr,
-                 KEY32: tl.constexpr, WALK_MAX: tl.constexpr):
+                 KEY32: tl.constexpr, WALK_MAX: tl.constexpr, WALK8: tl.constexpr):
         """The kept sets of the S2 rule without a sort -> (key of draw a's last kept rank, the
         same for draw b). Rank r >= 1 is kept while r < top_k and
         ``cum_r = round(fp32 sum of round(softmax)_0..r) <= top_p``; kept sets are prefixes.
-        top_k <= WALK_MAX: walk the ranks in order (one max reduction each) while a draw still
-        keeps them (top_k 30: at most 30 steps, usually a few); larger top_k: bisection."""
+        top_k <= WALK_MAX: walk the ranks in order (eight per top-8 reduction; one per max
+        reduction without WALK8) while a draw still keeps them (top_k 30: at most 30 steps,
+        usually a few); larger top_k: bisection."""
         m = tl.max(x, 0)
         S = tl.sum(_exp(x - m, ACCURATE), 0)
         p_a = _round_dt(p_a, ROUND)
@@ -159,20 +212,41 @@ if HAS_TRITON:
                 alive_b = k > 1
             else:
                 alive_b = k < 0
+            if KEY32:
+                sent = tl.full(key.shape, -2147483647, key.dtype)
+            else:
+                sent = tl.full(key.shape, -9223372036854775807, key.dtype)
             r = 1
-            while (alive_a | alive_b) & (r < V):
-                if KEY32:
-                    cur = tl.max(tl.where(key < prev, key, -2147483647), 0)
-                else:
-                    cur = tl.max(tl.where(key < prev, key, -9223372036854775807), 0)
-                cum = cum + _round_dt(tl.math.div_rn(_exp(_key_value(cur, KEY32) - m, ACCURATE), S), ROUND)
-                c = _round_dt(cum, ROUND)
-                alive_a = alive_a & (r < k) & (c <= p_a)
-                alive_b = alive_b & (r < k) & (c <= p_b)
-                thr_a = tl.where(alive_a, cur, thr_a)
-                thr_b = tl.where(alive_b, cur, thr_b)
-                prev = cur
-                r += 1
+            if WALK8:
+                while (alive_a | alive_b) & (r < V):
+                    # the next 8 ranks (the 8 largest keys below the last one taken) in one
+                    # reduction, then walked one by one: the same ranks in the same order as one
+                    # max reduction per rank, with an eighth of the reductions
+                    c0, c1, c2, c3, c4, c5, c6, c7 = tl.reduce(
+                        (tl.where(key < prev, key, sent), sent, sent, sent, sent, sent, sent, sent), 0, _top8_merge)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c0, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c1, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c2, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c3, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c4, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c5, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c6, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c7, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    prev = c7
+            else:
+                while (alive_a | alive_b) & (r < V):  # one rank per max reduction
+                    cur = tl.max(tl.where(key < prev, key, sent), 0)
+                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(cur, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
+                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
+                    prev = cur
         else:
             sm = _round_dt(tl.math.div_rn(_exp(x - m, ACCURATE), tl.zeros_like(x) + S), ROUND)
             valid = tl.arange(0, x.shape[0]) < V
@@ -217,7 +291,7 @@ if HAS_TRITON:
                         emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
                         W: tl.constexpr, DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                         ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, WALK8: tl.constexpr = True):
         pdl_enter(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
@@ -236,7 +310,7 @@ if HAS_TRITON:
         win = tl.load(window_ptr + slot * stride_w + wo)
         ras_window = tl.load(ras_window_ptr + slot)
         k = tl.where(greedy != 0, 1, top_k)  # greedy rows: no nucleus walk
-        thr_n, thr_h = _nucleus(x, key, A, k, top_p, ras_top_p, True, ROUND, ACCURATE, ROUND, WALK_MAX)
+        thr_n, thr_h = _nucleus(x, key, A, k, top_p, ras_top_p, True, ROUND, ACCURATE, ROUND, WALK_MAX, WALK8)
         normal = _race(x, offs, key, thr_n, temp, _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
         high = _race(x, offs, key, thr_h, ras_temp, _draw_key(seed, counter + 1), TMIN, ROUND, ACCURATE)
         top1 = _first_argmax(x, offs)
@@ -257,7 +331,7 @@ if HAS_TRITON:
                             emb_ptr, stride_e, emb_out_ptr, stride_eo, D,
                             DRAWS: tl.constexpr, TMIN: tl.constexpr, WALK_MAX: tl.constexpr, BLOCK: tl.constexpr, ROUND: tl.constexpr,
                             ACCURATE: tl.constexpr, EMB: tl.constexpr, BLOCK_D: tl.constexpr,
-                            PDL: tl.constexpr = False):
+                            PDL: tl.constexpr = False, WALK8: tl.constexpr = True):
         pdl_enter(PDL)
         row = tl.program_id(0)
         slot = tl.load(slots_ptr + row)
@@ -269,13 +343,23 @@ if HAS_TRITON:
         temp = tl.load(temp_ptr + slot)  # loaded before the first reduction, as in the main kernel
         seed = tl.load(seed_ptr + slot)
         k = tl.where(greedy != 0, 1, top_k)  # greedy rows: no nucleus walk
-        thr, _ = _nucleus(x, key, n, k, top_p, top_p, False, ROUND, ACCURATE, ROUND, WALK_MAX)
+        thr, _ = _nucleus(x, key, n, k, top_p, top_p, False, ROUND, ACCURATE, ROUND, WALK_MAX, WALK8)
         pick = _race(x, offs, key, thr, temp, _draw_key(seed, counter), TMIN, ROUND, ACCURATE)
         top1 = _first_argmax(x, offs)
         code = tl.where(greedy != 0, top1, pick)
         tl.store(cols_ptr + row * stride_c + col, code.to(tl.int64))
         if EMB:
             _copy_embedding(emb_ptr, stride_e, code, emb_out_ptr + row.to(tl.int64) * stride_eo, D, BLOCK_D)
+
+
+WALK8_ENV = "SHOAL_SAMPLER_WALK8"
+
+
+@functools.cache
+def walk8() -> bool:
+    """Whether the nucleus walk takes eight ranks per reduction (``SHOAL_SAMPLER_WALK8``, default
+    on; ``0``: one max reduction per rank). The same ranks in the same order, so the same draws."""
+    return os.environ.get(WALK8_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _round_flag(logits: Tensor) -> bool:
@@ -335,7 +419,7 @@ def s2_main_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, windo
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
         W=W, DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
-        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), **pdl_options(logits))
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), WALK8=walk8(), **pdl_options(logits))
 
 
 def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, draw: int, cols: Tensor,
@@ -357,4 +441,4 @@ def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, d
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
         DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
-        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), **pdl_options(logits))
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), WALK8=walk8(), **pdl_options(logits))
