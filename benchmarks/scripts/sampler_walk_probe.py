@@ -5,7 +5,8 @@
 S2-Pro sizes (4,097 allowed main logits, 1,024 residual entries), bf16, top_k 30 / top_p 0.8 /
 temperature 0.8, rows near-flat (``scale`` 0.05: every draw keeps 30 ranks, as random weights
 give) or peaked (``scale`` 3). Each sampler call is timed as a CUDA graph of 20 calls (median of
-50 replays), at batch 1 and 64, for ``SHOAL_SAMPLER_WALK8`` off and on (patched per run).
+50 replays), at batch 1 and 64, for ``SHOAL_SAMPLER_WALK8`` off and on (patched per run), and
+with walk8 at several ``SHOAL_SAMPLER_WARPS`` (warps per row program).
 Writes ``$OUT/sampler-walk.json``.
 """
 
@@ -37,8 +38,10 @@ def main() -> None:
         for scale in (0.05, 3.0):
             main_l = (torch.randn(B, 4097, device=dev) * scale).to(torch.bfloat16)
             res_l = (torch.randn(B, 1024, device=dev) * scale).to(torch.bfloat16)
-            for on in (False, True):
+            for on, warps in ((False, ""), (True, ""), (True, "main=16,residual=8"), (True, "main=16,residual=16"),
+                              (True, "main=32,residual=32")):
                 ks.walk8 = lambda on=on: on
+                os.environ["SHOAL_SAMPLER_WARPS"] = warps
 
                 def f_main():
                     for _ in range(20):
@@ -48,7 +51,7 @@ def main() -> None:
                     for _ in range(20):
                         ks.s2_residual_sample(res_l, slots, frame, bs, 2, cols, 2)
 
-                rec = {"B": B, "scale": scale, "walk8": on,
+                rec = {"B": B, "scale": scale, "walk8": on, "warps": warps,
                        "main_us": round(time_graph(f_main, 50) / 20, 2), "residual_us": round(time_graph(f_res, 50) / 20, 2)}
                 res["cells"].append(rec)
                 print(rec, flush=True)

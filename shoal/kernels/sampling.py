@@ -375,8 +375,28 @@ def _tmin(logits: Tensor) -> float:
     return float(torch.tensor(1e-5, dtype=logits.dtype))
 
 
-def _num_warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
+WARPS_ENV = "SHOAL_SAMPLER_WARPS"
+
+
+def _num_warps(block: int, kind: str) -> int:
+    """Warps of one sampling program (a row): ``SHOAL_SAMPLER_WARPS="main=N,residual=N"``
+    overrides the default (8 for rows of >= 4,096 entries, else 4)."""
+    return _warps_table(os.environ.get(WARPS_ENV, "")).get(kind, 8 if block >= 4096 else 4)
+
+
+@functools.lru_cache(maxsize=8)
+def _warps_table(env: str) -> dict:
+    out = {}
+    for item in filter(None, env.split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in ("main", "residual"):
+            raise ValueError(f"{WARPS_ENV}: unknown key {key!r} (main, residual)")
+        n = int(value)
+        if n < 1 or n & (n - 1) or n > 32:
+            raise ValueError(f"{WARPS_ENV}: {key} needs a power of two from 1 to 32, got {n}")
+        out[key] = n
+    return out
 
 
 def _check_rows(logits: Tensor, slots: Tensor, cols: Tensor) -> int:
@@ -419,7 +439,7 @@ def s2_main_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, windo
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
         W=W, DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
-        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), WALK8=walk8(), **pdl_options(logits))
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block, "main"), WALK8=walk8(), **pdl_options(logits))
 
 
 def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, draw: int, cols: Tensor,
@@ -441,4 +461,4 @@ def s2_residual_sample(logits: Tensor, slots: Tensor, frame: Tensor, sampling, d
         embedding if embedding is not None else logits, embedding.stride(0) if embedding is not None else 0,
         emb_out if emb_out is not None else logits, emb_out.stride(0) if emb_out is not None else 0, D,
         DRAWS=draws_per_frame, TMIN=_tmin(logits), WALK_MAX=WALK_MAX, BLOCK=block, ROUND=_round_flag(logits), ACCURATE=not triton_interpreting(), EMB=embedding is not None,
-        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block), WALK8=walk8(), **pdl_options(logits))
+        BLOCK_D=min(1024, _next_pow2(max(D, 16))), num_warps=_num_warps(block, "residual"), WALK8=walk8(), **pdl_options(logits))
