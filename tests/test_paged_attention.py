@@ -319,6 +319,20 @@ def test_cpu_fallback_is_reference():
     assert o2 is out and torch.equal(out, r)
 
 
+def test_max_splits_override(monkeypatch):
+    """SHOAL_ATTN_MAX_SPLITS caps the heuristic's split count; 0 or unset leaves it; garbage is an error."""
+    base = pa.choose_num_splits(1, 8, 32768, 64)
+    assert base > 8
+    monkeypatch.setenv("SHOAL_ATTN_MAX_SPLITS", "8")
+    assert pa.choose_num_splits(1, 8, 32768, 64) == 8
+    assert pa.choose_num_splits(128, 8, 32768, 64) == 1
+    monkeypatch.setenv("SHOAL_ATTN_MAX_SPLITS", "0")
+    assert pa.choose_num_splits(1, 8, 32768, 64) == base
+    monkeypatch.setenv("SHOAL_ATTN_MAX_SPLITS", "many")
+    with pytest.raises(ValueError, match="SHOAL_ATTN_MAX_SPLITS"):
+        pa.choose_num_splits(1, 8, 32768, 64)
+
+
 def test_input_validation():
     q, k, v, bt, cl, _, _ = make_case(2, 6, 4, 32, 8, [3, 4], seed=1)  # 6 % 4 != 0
     with pytest.raises(ValueError):

@@ -78,6 +78,7 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
+MAX_SPLITS_ENV = "SHOAL_ATTN_MAX_SPLITS"  # caps choose_num_splits (a tuning override; default 64)
 _PROGRAMS_PER_SM = 3
 
 
@@ -579,14 +580,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     (``max_blocks * block_size``: the actual lengths are only known on the device; splits
     past a short sequence's end exit at once). Measured on an H200 (132 SMs, S2-Pro
     shapes): B=32 x 8 KV heads runs ~10% faster with 2 splits than 1, B=64 ~7% slower.
+    ``SHOAL_ATTN_MAX_SPLITS`` (a tuning override; 0 or unset: 64) caps the count; on an H100
+    (2026-12-06) caps of 2-16 at one sequence were no faster than the heuristic's 50.
     """
+    from ..envutil import env_int
+
     progs = max(1, batch * num_kv_heads)
     target = _PROGRAMS_PER_SM * max(1, num_sms)
     if progs >= target:
         return 1
     max_tiles = max(1, -(-max_context // block_n))
     want = -(-target // progs)
-    return max(1, min(want, max_tiles // 2, _MAX_SPLITS))
+    return max(1, min(want, max_tiles // 2, env_int(MAX_SPLITS_ENV, _MAX_SPLITS) or _MAX_SPLITS))
 
 
 # Launch options of the kernel on an FP8 cache (keys of paged_decode_attention_triton plus
