@@ -222,25 +222,13 @@ if HAS_TRITON:
                     # the next 8 ranks (the 8 largest keys below the last one taken) in one
                     # reduction, then walked one by one: the same ranks in the same order as one
                     # max reduction per rank, with an eighth of the reductions
-                    c0, c1, c2, c3, c4, c5, c6, c7 = tl.reduce(
-                        (tl.where(key < prev, key, sent), sent, sent, sent, sent, sent, sent, sent), 0, _top8_merge)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c0, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c1, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c2, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c3, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c4, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c5, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c6, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(c7, r, cum, alive_a, alive_b, thr_a, thr_b, m, S, V,
-                                                                        k, p_a, p_b, ROUND, ACCURATE, KEY32)
-                    prev = c7
+                    cs = tl.reduce((tl.where(key < prev, key, sent), sent, sent, sent, sent, sent, sent, sent), 0,
+                                   _top8_merge)
+                    for j in tl.static_range(8):
+                        r, cum, alive_a, alive_b, thr_a, thr_b = _walk_rank(cs[j], r, cum, alive_a, alive_b, thr_a,
+                                                                            thr_b, m, S, V, k, p_a, p_b, ROUND,
+                                                                            ACCURATE, KEY32)
+                    prev = cs[7]
             else:
                 while (alive_a | alive_b) & (r < V):  # one rank per max reduction
                     cur = tl.max(tl.where(key < prev, key, sent), 0)
