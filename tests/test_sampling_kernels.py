@@ -50,13 +50,15 @@ def _gathered(bs, slots):
 
 
 # long nucleus walks: near-flat rows keep every rank up to top_k (the walk's 8-rank chunks end
-# mid-chunk, exactly at a chunk's end, and at the row's end: V below 8 and below top_k)
+# mid-chunk, exactly at a chunk's end, and at the row's end: V below 8 and below top_k); the
+# small top_k make a kept set one rank too short or too long change many draws (a flat draw picks
+# the last kept rank with probability 1 / top_k)
 FLAT_PARAMS = [
     SamplingParams(temperature=0.8, top_p=0.8, top_k=30),
     SamplingParams(temperature=1.0, top_p=0.999, top_k=64),
-    SamplingParams(temperature=0.9, top_p=0.99, top_k=16),
-    SamplingParams(temperature=0.7, top_p=0.95, top_k=9),
-    SamplingParams(temperature=0.8, top_p=0.5, top_k=30),
+    SamplingParams(temperature=0.7, top_p=0.99, top_k=9),
+    SamplingParams(temperature=0.9, top_p=0.99, top_k=2),
+    SamplingParams(temperature=0.8, top_p=0.95, top_k=3),
     SamplingParams(temperature=1.1, top_p=0.999, top_k=8, ras_top_p=0.3),
 ]
 
@@ -197,8 +199,8 @@ def _case(name):
     elif name in ("fp32_flat", "bf16_flat", "bf16_flat_tiny"):
         dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
         tiny = name.endswith("tiny")
-        mism, draws, ok = compare_draws(B=12, S=12, A=9 if tiny else 300, n=5 if tiny else 128, dtype=dtype,
-                                        n_sem=8 if tiny else 290, seed=len(name), scale=0.05, params=FLAT_PARAMS)
+        mism, draws, ok = compare_draws(B=12, S=12, A=9 if tiny else 100, n=5 if tiny else 128, dtype=dtype,
+                                        n_sem=8 if tiny else 95, seed=len(name), scale=0.05, params=FLAT_PARAMS)
         checks["mismatches"] = (mism, 0)
         flags["outputs_consistent"] = ok
         flags["drew"] = draws == 36
