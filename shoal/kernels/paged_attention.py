@@ -43,6 +43,8 @@ from typing import Optional
 
 import torch
 
+from ..envutil import env_int
+
 try:  # Triton is optional: CPU-only installs use the reference path.
     import triton
     import triton.language as tl
@@ -583,8 +585,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
     ``SHOAL_ATTN_MAX_SPLITS`` (a tuning override; 0 or unset: 64) caps the count; on an H100
     (2026-12-06) caps of 2-16 at one sequence were no faster than the heuristic's 50.
     """
-    from ..envutil import env_int
-
     progs = max(1, batch * num_kv_heads)
     target = _PROGRAMS_PER_SM * max(1, num_sms)
     if progs >= target:
