@@ -46,8 +46,12 @@ def pytest_collection_modifyitems(session, config, items):
         return
     if not HAS_TRITON:
         return
-    files = sorted({str(item.path) for item in items if _WORKER_FIXTURES & set(getattr(item, "fixturenames", ()))})
+    uses = [bool(_WORKER_FIXTURES & set(getattr(item, "fixturenames", ()))) for item in items]
+    files = sorted({str(item.path) for item, u in zip(items, uses) if u})
     if files:
+        # the tests that read a worker's results run last (in their order), so the rest of the
+        # suite runs on one core while the workers run on the other instead of waiting on them
+        items[:] = [it for it, u in zip(items, uses) if not u] + [it for it, u in zip(items, uses) if u]
         from interpreter_worker import prelaunch
 
         prelaunch(files)

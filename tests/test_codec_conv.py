@@ -98,16 +98,19 @@ def _conv_case(dt_name: str, shape: str) -> dict:
     return {"checks": checks, "flags": flags}
 
 
-def _golden_decode_case(snake_epilogue: bool = True, pack: bool = False) -> dict:
+def _golden_decode_case(snake_epilogue: bool = True, pack: bool = False, frames: int = 8,
+                        chunks: tuple[int, ...] = (3, 1, 4)) -> dict:
     """``pack``: the weights packed ahead of the first call as serving packs them (each conv's
-    weight held once: the transposed convs' packed over their own storage)."""
+    weight held once: the transposed convs' packed over their own storage). The default mode
+    decodes 8 golden frames (streamed 3 + 1 + 4); the other modes 4 (1 + 3), since every
+    interpreted frame costs seconds."""
     from safetensors.torch import load_file
 
     from shoal.codec import CodecConfig, StreamingDecoder, load_codec
 
     golden = load_file(str(TINY / "outputs" / "codec_golden_fp32.safetensors"))
     codec = load_codec(TINY / "codec.pth", CodecConfig.from_json(TINY / "config.json"))
-    codes = golden["decode_encoded.input_codes"][None][..., :8]  # causal: a prefix decodes to a prefix
+    codes = golden["decode_encoded.input_codes"][None][..., :frames]  # causal: a prefix decodes to a prefix
     wave = golden["decode_encoded.waveform"].flatten()
     ref = codec.decode(codes)  # the module path: F.conv1d channels-first
     codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue)
@@ -133,7 +136,7 @@ def _golden_decode_case(snake_epilogue: bool = True, pack: bool = False) -> dict
         dec = StreamingDecoder(codec)
         st = dec.new_state(1)
         outs, i = [], 0
-        for t in (3, 1, 4):
+        for t in chunks:
             outs.append(dec.decode_chunk(codes[:, :, i:i + t], st))
             i += t
     finally:
@@ -273,14 +276,18 @@ def _split_case(dt: torch.dtype) -> dict:
         xin = x if pre is None else snake(x, pre)[0]
         ref = r.float() + F.conv1d(xin.float(), w.float(), b.float(), 1, 0, d)
         tol = 1e-5 if dt == torch.float32 else 4 * torch.finfo(dt).eps * ref.abs().max().item()
+        ulp = 8 * torch.finfo(torch.float32).eps if dt == torch.float32 else torch.finfo(dt).eps
         checks[f"one_tile_vs_ref_{co}_k{k}"] = ((one.float() - ref).abs().max().item(), tol)
         for tma, flat in ((0, 0), (0, 1), (1, 0), (1, 1)):
             got_s = torch.full_like(one_s, float("nan"))
             got = cc.conv1d_cl_triton(x, packed, b, d, residual=r, snake_alpha=alpha, snake_out=got_s,
                                       pre_snake_alpha=pre, config=(16, 32, 16, 4, 2, tma, flat, 16))
             key = f"{co}_k{k}_tma{tma}_flat{flat}"
-            checks[f"out_{key}"] = ((got.float() - one.float()).abs().max().item(), 0.0)
-            checks[f"snake_{key}"] = ((got_s.float() - one_s.float()).abs().max().item(), 0.0)
+            # Another tile shape may sum in another order (the interpreter's matmul blocks by
+            # shape and CPU): a few units in the last place, never an indexing error's O(1).
+            checks[f"out_{key}"] = ((got.float() - one.float()).abs().max().item(), ulp * one.float().abs().max().item())
+            checks[f"snake_{key}"] = ((got_s.float() - one_s.float()).abs().max().item(),
+                                      ulp * one_s.float().abs().max().item())
             flags[f"all_written_{key}"] = bool(torch.isfinite(got_s).all())
     return {"checks": checks, "flags": flags}
 
@@ -358,14 +365,15 @@ def _kernel_used(codec) -> bool:
 
 
 def _interp_case(name: str) -> dict:
-    if name == "golden_decode_fp32":
-        return _golden_decode_case()
+    short = dict(frames=4, chunks=(1, 3))
+    if name == "golden_decode_fp32":  # tma_golden_decode_fp32: the descriptor loads, short
+        return _golden_decode_case(**(short if os.environ.get("SHOAL_CODEC_CONV_TMA") == "1" else {}))
     if name == "golden_decode_fp32_separate_snakes":
-        return _golden_decode_case(snake_epilogue=False)
+        return _golden_decode_case(snake_epilogue=False, **short)
     if name == "golden_decode_fp32_k1_epilogues":
-        return _golden_decode_case(snake_epilogue="k1", pack=True)
+        return _golden_decode_case(snake_epilogue="k1", pack=True, **short)
     if name == "golden_decode_fp32_fused":
-        return _golden_decode_case(snake_epilogue="fused", pack=True)
+        return _golden_decode_case(snake_epilogue="fused", pack=True, **short)
     if name == "fused_entry_bf16":
         return _fused_entry_case()
     if name == "pre_snake_bf16":
