@@ -33,6 +33,9 @@ SHAPES = {
 TRANS_SHAPES = ("two_tiles", "masked_second_tile", "one_tile")
 INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                 + [f"{dt}_{s}_k1trans" for dt in ("fp32", "bf16") for s in TRANS_SHAPES]
+                # the k=1 weight through descriptors, the second tile's k=1 products early
+                + ["fp32_two_tiles_tma_flat_vtma_early", "bf16_two_tiles_tma_flat_vtma",
+                   "bf16_two_tiles_tma_flat_early", "bf16_two_tiles_tma_flat_vtma_k1trans"]
                 + ["no_out_write", "decoder_unit_equals_k1"])
 
 
@@ -61,6 +64,10 @@ def _unit_case(dt_name: str, shape: str) -> dict:
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
     k1_trans = shape.endswith("_k1trans")
     shape = shape.removesuffix("_k1trans")
+    k1_early = shape.endswith("_early")
+    shape = shape.removesuffix("_early")
+    v_tma = shape.endswith("_vtma")
+    shape = shape.removesuffix("_vtma")
     C, d, cfg = SHAPES[shape]
     x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=len(shape))
     B, L = h.shape[0], h.shape[-1]
@@ -68,7 +75,8 @@ def _unit_case(dt_name: str, shape: str) -> dict:
     want = two_kernels(x, w7, b7, d, a2, w1, b1, h, an, snake_out=want_s)
     got_s = torch.full_like(want_s, float("nan"))
     got = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, d, a2, cc.pack_conv_weight(w1), b1, h,
-                                  snake_alpha=an, snake_out=got_s, config=cfg, k1_trans=k1_trans)
+                                  snake_alpha=an, snake_out=got_s, config=cfg, k1_trans=k1_trans,
+                                  v_tma=v_tma, k1_early=k1_early)
     ref_h, ref_s = cu.residual_unit_ref(x, w7, b7, d, a2, w1, b1, h, an)
     # fp32: the sums agree to rounding; bf16: the interpreter's matrix products group the k=1
     # sums by tile, so a result may land one or two bf16 ulps away from the two-kernel path
@@ -79,6 +87,7 @@ def _unit_case(dt_name: str, shape: str) -> dict:
                        "h_vs_ref": ((got.float() - ref_h.float()).abs().max().item(), 2 * tol),
                        "snake_vs_ref": ((got_s.float() - ref_s.float()).abs().max().item(), 2 * tol)},
             "flags": {"snake_all_written": bool(torch.isfinite(got_s).all()),
+                      "variant_ran": not (v_tma or k1_early) or _ran_with(v_tma, k1_early),
                       "channels_last_out": got.stride(1) == 1}}
 
 
@@ -123,6 +132,14 @@ def _decoder_case() -> dict:
                        "stream_vs_oneshot": ((s_u - o_u[..., : s_u.shape[-1]]).abs().max().item(), 1e-4)},
             # one-shot + two streamed chunks, every unit once each
             "flags": {"every_unit_one_kernel": len(calls) == 3 * units}}
+
+
+def _ran_with(v_tma: bool, k1_early: bool) -> bool:
+    """Whether the unit kernel's last compiled launch had the asked-for V_TMA / K1_EARLY (the
+    interpreter records no specialisations, so the launcher's variant memo is read)."""
+    from shoal.kernels.codec_conv import _TMA_FAILED
+
+    return not _TMA_FAILED and cu.LAST_LAUNCH.get("V_TMA") == v_tma and cu.LAST_LAUNCH.get("K1_EARLY") == k1_early
 
 
 def _interp_case(name: str) -> dict:
@@ -199,6 +216,25 @@ def k1_path(x, w7, b7, d, a2, w1, b1, h, an, snake_out):
     snake(a, a2, out=s2)
     return cc.conv1d_cl_triton(s2, cc.pack_conv_weight(w1), b1, 1, residual=h, snake_alpha=an,
                                snake_out=snake_out)
+
+
+@gpu
+@pytest.mark.parametrize("v_tma,k1_early", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("C,d,B,L", [(96, 9, 16, 4096), (192, 3, 3, 777)])
+def test_gpu_unit_switches_keep_bits(v_tma, k1_early, C, d, B, L):
+    """``v_tma`` (the k=1 weight through descriptors) and ``k1_early`` (the second tile's k=1
+    products before the first epilogue) write the default launch's bits."""
+    dt = torch.bfloat16
+    x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=C * d, device="cuda", B=B, L=L)
+    p7, p1 = cc.pack_conv_weight(w7), cc.pack_conv_weight(w1)
+    outs = []
+    for vt, ke in ((False, False), (v_tma, k1_early)):
+        s = torch.empty(B, L, C, dtype=dt, device="cuda").transpose(1, 2)
+        o = cu.residual_unit_triton(x, p7, b7, d, a2, p1, b1, h, snake_alpha=an, snake_out=s,
+                                    v_tma=vt, k1_early=ke)
+        outs.append((o, s))
+    assert cu.LAST_LAUNCH["V_TMA"] == v_tma
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 @gpu

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..envutil import env_int
 from .codec_conv import (_has_tma, _smem_bytes, _tma_ok, conv_outputs, fit_stages, full_config,
                          launch_with_fallback, tile_operands)
 from .fused import _DT_CODE, _check_dtype, _require_kernel
@@ -51,6 +52,8 @@ _UNIT_CONFIGS: dict[int, tuple[int, ...]] = {
     192: (64, 128, 64, 4, 3, 1, 1, 64),
 }
 MAX_UNIT_CHANNELS = 192
+# the last launch's descriptor / ordering switches (read by the tests)
+LAST_LAUNCH: dict[str, bool] = {}
 
 
 def default_k1_trans(bn2: int) -> bool:
@@ -116,8 +119,22 @@ if HAS_TRITON:
         alpha = tl.load(p_ptr + n, mask=nm, other=1.0).to(tl.float32)
         return _snake_math(a, alpha[None, :], DT, ACCURATE_SIN)
 
+    def _k1_second_impl(s1, s2, v_ptr, vc_ptr, vd_ptr, n, n2, nm, nm2, C, BT: tl.constexpr,
+                        BN: tl.constexpr, BN2: tl.constexpr, V_TMA: tl.constexpr,
+                        IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        """The k=1 conv's second output tile (channels ``n2``): ``s1 @ W[n, n2] + s2 @ W[n2, n2]``."""
+        if V_TMA:
+            v_ab = vc_ptr.load([0, BN])
+            v_bb = vd_ptr.load([BN, BN])
+        else:
+            v_ab = tl.load(v_ptr + n[:, None] * C + n2[None, :], mask=nm[:, None] & nm2[None, :], other=0.0)
+            v_bb = tl.load(v_ptr + n2[:, None] * C + n2[None, :], mask=nm2[:, None] & nm2[None, :], other=0.0)
+        out2 = _mma(s1, v_ab, tl.zeros((BT, BN2), dtype=tl.float32), IEEE, UPCAST)
+        return _mma(s2, v_bb, out2, IEEE, UPCAST)
+
     def _unit_kernel(
-        x_ptr, w_ptr, w2_ptr, b7_ptr, p_ptr, v_ptr, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
+        x_ptr, w_ptr, w2_ptr, b7_ptr, p_ptr, v_ptr, va_ptr, vb_ptr, vc_ptr, vd_ptr,
+        b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
         L_out, C, n_tb, x_rows,
         sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
         K: tl.constexpr,
@@ -135,6 +152,8 @@ if HAS_TRITON:
         FLAT: tl.constexpr,
         TMA: tl.constexpr,
         K1_TRANS: tl.constexpr = False,
+        V_TMA: tl.constexpr = False,
+        K1_EARLY: tl.constexpr = False,
     ):
         pid = tl.program_id(0).to(tl.int64)
         tb = pid % n_tb
@@ -192,18 +211,28 @@ if HAS_TRITON:
             # the k=1 conv transposed, out^T = W1^T @ Snake2^T: the Snake'd tiles are the MMAs'
             # second operand (shared memory), the k=1 weight's transposed tiles the first. Same
             # products, summed over the input channels in the same ascending order.
-            vt_aa = tl.load(v_ptr + n[None, :] * C + n[:, None], mask=nm[None, :] & nm[:, None], other=0.0)
+            if V_TMA:  # the k=1 weight's tiles straight into shared memory (descriptors)
+                vt_aa = tl.trans(va_ptr.load([0, 0]))
+            else:
+                vt_aa = tl.load(v_ptr + n[None, :] * C + n[:, None], mask=nm[None, :] & nm[:, None], other=0.0)
             o1 = _mma(vt_aa, tl.trans(s1), tl.zeros((BN, BT), dtype=tl.float32), IEEE, UPCAST)
             if BN2 > 0:
                 s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
-                vt_ab = tl.load(v_ptr + n2[None, :] * C + n[:, None], mask=nm2[None, :] & nm[:, None], other=0.0)
+                if V_TMA:
+                    vt_ab = tl.trans(vb_ptr.load([BN, 0]))
+                else:
+                    vt_ab = tl.load(v_ptr + n2[None, :] * C + n[:, None], mask=nm2[None, :] & nm[:, None], other=0.0)
                 o1 = _mma(vt_ab, tl.trans(s2), o1, IEEE, UPCAST)
             _epilogue(tl.trans(o1), b, t, n, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
                       srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
                       True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
             if BN2 > 0:
-                vt_ba = tl.load(v_ptr + n[None, :] * C + n2[:, None], mask=nm[None, :] & nm2[:, None], other=0.0)
-                vt_bb = tl.load(v_ptr + n2[None, :] * C + n2[:, None], mask=nm2[None, :] & nm2[:, None], other=0.0)
+                if V_TMA:
+                    vt_ba = tl.trans(vc_ptr.load([0, BN]))
+                    vt_bb = tl.trans(vd_ptr.load([BN, BN]))
+                else:
+                    vt_ba = tl.load(v_ptr + n[None, :] * C + n2[:, None], mask=nm[None, :] & nm2[:, None], other=0.0)
+                    vt_bb = tl.load(v_ptr + n2[None, :] * C + n2[:, None], mask=nm2[None, :] & nm2[:, None], other=0.0)
                 o2 = _mma(vt_ba, tl.trans(s1), tl.zeros((BN2, BT), dtype=tl.float32), IEEE, UPCAST)
                 o2 = _mma(vt_bb, tl.trans(s2), o2, IEEE, UPCAST)
                 _epilogue(tl.trans(o2), b, t, n2, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
@@ -211,20 +240,28 @@ if HAS_TRITON:
                           True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
         else:
             # ---- the k=1 conv over the input channels in ascending order, then its epilogue
-            v_aa = tl.load(v_ptr + n[:, None] * C + n[None, :], mask=nm[:, None] & nm[None, :], other=0.0)
+            if V_TMA:
+                v_aa = va_ptr.load([0, 0])
+            else:
+                v_aa = tl.load(v_ptr + n[:, None] * C + n[None, :], mask=nm[:, None] & nm[None, :], other=0.0)
             out1 = _mma(s1, v_aa, tl.zeros((BT, BN), dtype=tl.float32), IEEE, UPCAST)
             if BN2 > 0:
                 s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
-                v_ba = tl.load(v_ptr + n2[:, None] * C + n[None, :], mask=nm2[:, None] & nm[None, :], other=0.0)
+                if V_TMA:
+                    v_ba = vb_ptr.load([BN, 0])
+                else:
+                    v_ba = tl.load(v_ptr + n2[:, None] * C + n[None, :], mask=nm2[:, None] & nm[None, :], other=0.0)
                 out1 = _mma(s2, v_ba, out1, IEEE, UPCAST)
+                if K1_EARLY:  # both k=1 products before the first epilogue (s1, s2 die here)
+                    out2 = _k1_second(s1, s2, v_ptr, vc_ptr, vd_ptr, n, n2, nm, nm2, C, BT, BN, BN2,
+                                      V_TMA, IEEE, UPCAST)
             _epilogue(out1, b, t, n, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
                       srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
                       True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
             if BN2 > 0:
-                v_ab = tl.load(v_ptr + n[:, None] * C + n2[None, :], mask=nm[:, None] & nm2[None, :], other=0.0)
-                v_bb = tl.load(v_ptr + n2[:, None] * C + n2[None, :], mask=nm2[:, None] & nm2[None, :], other=0.0)
-                out2 = _mma(s1, v_ab, tl.zeros((BT, BN2), dtype=tl.float32), IEEE, UPCAST)
-                out2 = _mma(s2, v_bb, out2, IEEE, UPCAST)
+                if not K1_EARLY:
+                    out2 = _k1_second(s1, s2, v_ptr, vc_ptr, vd_ptr, n, n2, nm, nm2, C, BT, BN, BN2,
+                                      V_TMA, IEEE, UPCAST)
                 _epilogue(out2, b, t, n2, tm, C, b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
                           srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
                           True, False, True, WRITE_O, SNAKE, ACCURATE_SIN, DT)
@@ -235,6 +272,7 @@ if HAS_TRITON:
         from triton.runtime.jit import JITFunction as _Wrap
 
     _mid = _Wrap(_mid_impl)
+    _k1_second = _Wrap(_k1_second_impl)
 
     @functools.cache
     def _kernel():
@@ -243,17 +281,32 @@ if HAS_TRITON:
         return _Wrap(_unit_kernel, do_not_specialize=["L_out", "n_tb", "x_rows"])
 
 
+def _v_descriptors(w1: Tensor, bn: int, bn2: int) -> tuple:
+    """Tensor descriptors of the packed k=1 weight ``[1, C, C]`` (rows: input channels) for its
+    four tiles: ``[BN, BN]``, ``[BN2, BN]``, ``[BN, BN2]``, ``[BN2, BN2]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    C = w1.shape[1]
+    return tuple(TensorDescriptor(w1, [C, C], [C, 1], [r, c])
+                 for r, c in ((bn, bn), (bn2, bn), (bn, bn2), (bn2, bn2)))
+
+
 def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int, alpha2: Tensor,
                          w1: Tensor, b1: Tensor | None, residual: Tensor, *,
                          out: Tensor | None = None, snake_alpha: Tensor | None = None,
                          snake_out: Tensor | None = None, write_out: bool = True,
-                         config: tuple[int, ...] | None = None, k1_trans: bool | None = None) -> Tensor | None:
+                         config: tuple[int, ...] | None = None, k1_trans: bool | None = None,
+                         v_tma: bool | None = None, k1_early: bool | None = None) -> Tensor | None:
     """One residual unit (see the module docstring); ``w7`` / ``w1`` packed by
     :func:`pack_conv_weight` (``[7, C, C]`` / ``[1, C, C]``). Writes ``h'`` into ``out`` (or a
     new channels-last tensor; skipped with ``write_out=False``) and ``Snake_snake_alpha(h')``
     into ``snake_out`` (any strides: the next conv's input buffer after its context).
     ``k1_trans`` runs the k=1 conv transposed (the Snake'd tiles as the MMAs' second operand;
-    default :func:`default_k1_trans` of the tiles)."""
+    default :func:`default_k1_trans` of the tiles). ``v_tma`` reads the k=1 weight's tiles
+    through tensor descriptors (into shared memory, not registers) in a descriptor-load launch
+    (default: env ``SHOAL_UNIT_V_TMA``, off). ``k1_early`` runs the second output tile's k=1
+    products before the first tile's epilogue (direct form only; default: env
+    ``SHOAL_UNIT_K1_EARLY``, off): the same products in the same order, fewer live registers."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -290,6 +343,10 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
         raise ValueError(f"tiles {bn} + {bn2} do not cover {C} channels")
     if k1_trans is None:
         k1_trans = default_k1_trans(bn2)
+    if v_tma is None:
+        v_tma = env_int("SHOAL_UNIT_V_TMA", 0) != 0
+    if k1_early is None:
+        k1_early = env_int("SHOAL_UNIT_K1_EARLY", 0) != 0
     if x.is_cuda and not interpret:
         if not _has_tma(x.device.index or 0):
             tma, flat = 0, 0
@@ -308,17 +365,20 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                   DT=_DT_CODE[x.dtype],
                   IEEE=x.dtype == torch.float32 and (interpret or not torch.backends.cudnn.allow_tf32),
                   UPCAST=interpret and x.dtype != torch.float32, FLAT=bool(flat), K1_TRANS=bool(k1_trans),
-                  **opts)
+                  K1_EARLY=bool(k1_early) and not k1_trans and bn2 > 0, **opts)
+    v_tma = bool(v_tma) and tma and bn2 > 0
 
     def launch(xs, ws, w2s, rows: int, use_tma: bool) -> None:
+        vs = _v_descriptors(w1, bn, bn2) if use_tma and v_tma else (w1,) * 4
         _kernel()[(B * n_tb,)](
-            xs, ws, w2s, b7, alpha2, w1, b1, residual, out,
+            xs, ws, w2s, b7, alpha2, w1, *vs, b1, residual, out,
             snake_alpha if snake_alpha is not None else alpha2, so,
             L_out, C, n_tb, rows,
             *x.stride(), *residual.stride(), *out.stride(), *so.stride(),
-            TMA=use_tma, **consts)
+            TMA=use_tma, V_TMA=use_tma and v_tma, **consts)
+        LAST_LAUNCH.update(TMA=use_tma, V_TMA=use_tma and v_tma, K1_EARLY=consts["K1_EARLY"])
 
-    variant = ("unit", x.device.type, x.dtype, stages) + tuple(sorted(consts.items()))
+    variant = ("unit", x.device.type, x.dtype, stages, v_tma) + tuple(sorted(consts.items()))
     launch_with_fallback(launch, variant, tma, (tile_operands(x, w7, bt, bc, bn, bn2) if tma else ()),
                          (x, w7, w7, 0), f"codec unit ({C} channels)")
     return out if write_out else None
