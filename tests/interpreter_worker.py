@@ -23,13 +23,18 @@ MARKER = "@@RESULTS@@"
 def report_cases(names: Iterable[str], run_case: Callable[[str], dict]) -> None:
     """Child side: run every case, print {name: {"checks": {k: [value, limit]}, "flags": {...}}}."""
     results = {}
+    times = os.environ.get("SHOAL_INTERP_TIMES")  # a file to append "file case seconds" lines to
     for name in names:
+        t0 = time.perf_counter()
         try:
             res = run_case(name)
             results[name] = {"checks": {k: [float(a), float(b)] for k, (a, b) in res["checks"].items()},
                              "flags": {k: bool(v) for k, v in res["flags"].items()}}
         except Exception as e:  # noqa: BLE001 - reported per case by the parent
             results[name] = {"error": f"{type(e).__name__}: {e}"}
+        if times:
+            with open(times, "a") as f:
+                f.write(f"{os.path.basename(sys.argv[0])} {name} {time.perf_counter() - t0:.1f}\n")
     print(MARKER + json.dumps(results))
 
 

@@ -304,8 +304,10 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     ``k1_trans`` runs the k=1 conv transposed (the Snake'd tiles as the MMAs' second operand;
     default :func:`default_k1_trans` of the tiles). ``v_tma`` reads the k=1 weight's tiles
     through tensor descriptors (into shared memory, not registers) in a descriptor-load launch
-    (default: env ``SHOAL_UNIT_V_TMA``, off). ``k1_early`` runs the second output tile's k=1
-    products before the first tile's epilogue (direct form only; default: env
+    (default: env ``SHOAL_UNIT_V_TMA``, unset: on in the direct form, where the 192-channel
+    unit ran 3.54 -> 3.24 ms on an H100, off in the transposed form, 2.37 -> 2.43 ms at 96).
+    ``k1_early`` runs the second output tile's k=1 products before the first tile's epilogue
+    (direct form only; no faster on an H100; default: env
     ``SHOAL_UNIT_K1_EARLY``, off): the same products in the same order, fewer live registers."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
@@ -343,8 +345,9 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
         raise ValueError(f"tiles {bn} + {bn2} do not cover {C} channels")
     if k1_trans is None:
         k1_trans = default_k1_trans(bn2)
-    if v_tma is None:
-        v_tma = env_int("SHOAL_UNIT_V_TMA", 0) != 0
+    if v_tma is None:  # default: the direct form only (the transposed 96-channel unit was slower)
+        v_tma = env_int("SHOAL_UNIT_V_TMA", -1)
+        v_tma = (not k1_trans) if v_tma < 0 else v_tma != 0
     if k1_early is None:
         k1_early = env_int("SHOAL_UNIT_K1_EARLY", 0) != 0
     if x.is_cuda and not interpret:
