@@ -36,7 +36,7 @@ INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                 # the k=1 weight through descriptors, the second tile's k=1 products early
                 + ["fp32_two_tiles_tma_flat_vtma_early", "bf16_two_tiles_tma_flat_vtma",
                    "bf16_two_tiles_tma_flat_early", "bf16_two_tiles_tma_flat_vtma_k1trans"]
-                + ["no_out_write", "decoder_unit_equals_k1"])
+                + ["no_out_write", "decoder_unit_equals_module"])
 
 
 def unit_inputs(C: int, d: int, dt: torch.dtype, seed: int = 0, device: str = "cpu", B: int = 2, L: int = 29):
@@ -106,32 +106,31 @@ def _no_out_case() -> dict:
 
 def _decoder_case() -> dict:
     """The tiny codec in the ``unit`` mode: every unit ran as one kernel, and one-shot and
-    streaming decodes equal the ``k1`` mode's."""
+    streaming decodes equal the module path's (F.conv1d; the ``k1`` mode's own decodes are
+    checked against it and the golden waveforms in test_codec_conv.py)."""
     from shoal.bench.codec import build_codec, random_codes
     from shoal.codec import model as codec_model
     from shoal.codec.streaming import StreamingDecoder
 
     codec = build_codec(True, torch.device("cpu"))
-    codes = random_codes(2, 6, "cpu", seed=4)
-    outs, calls = {}, []
+    codes = random_codes(2, 2, "cpu", seed=4)
+    ref = codec.decode(codes)  # the module path
+    calls = []
     real = codec_model.residual_unit_triton
     codec_model.residual_unit_triton = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
-        for mode in ("k1", "unit"):
-            codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=mode)
-            dec = StreamingDecoder(codec)
-            st = dec.new_state(2)
-            parts = [dec.decode_chunk(codes[:, :, i:i + t], st) for i, t in ((0, 2), (2, 4))]
-            outs[mode] = (codec.decode(codes), torch.cat(parts, -1))
+        codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue="unit")
+        oneshot = codec.decode(codes)
+        dec = StreamingDecoder(codec)
+        st = dec.new_state(2)
+        streamed = torch.cat([dec.decode_chunk(codes[:, :, i:i + 1], st) for i in range(2)], -1)
     finally:
         codec_model.residual_unit_triton = real
     units = sum(1 for m in codec.decoder.modules() if type(m).__name__ == "ResidualUnit")
-    (o_f, s_f), (o_u, s_u) = outs["k1"], outs["unit"]
-    return {"checks": {"oneshot": ((o_u - o_f).abs().max().item(), 1e-5),
-                       "stream": ((s_u - s_f).abs().max().item(), 1e-5),
-                       "stream_vs_oneshot": ((s_u - o_u[..., : s_u.shape[-1]]).abs().max().item(), 1e-4)},
+    return {"checks": {"oneshot_vs_module": ((oneshot - ref).abs().max().item(), 1e-5),
+                       "stream_vs_module": ((streamed - ref[..., : streamed.shape[-1]]).abs().max().item(), 1e-4)},
             # one-shot + two streamed chunks, every unit once each
-            "flags": {"every_unit_one_kernel": len(calls) == 3 * units}}
+            "flags": {"every_unit_one_kernel": len(calls) == 3 * units and units > 0}}
 
 
 def _ran_with(v_tma: bool, k1_early: bool) -> bool:
@@ -145,7 +144,7 @@ def _ran_with(v_tma: bool, k1_early: bool) -> bool:
 def _interp_case(name: str) -> dict:
     if name == "no_out_write":
         return _no_out_case()
-    if name == "decoder_unit_equals_k1":
+    if name == "decoder_unit_equals_module":
         return _decoder_case()
     dt_name, shape = name.split("_", 1)
     return _unit_case(dt_name, shape)
