@@ -55,6 +55,13 @@ def pytest_collection_modifyitems(session, config, items):
         from interpreter_worker import prelaunch
 
         prelaunch(files)
+        # the workers take every core but one: this process's intra-op threads keep to the rest
+        # (oversubscribed OpenMP threads spin against the workers and slow both)
+        import os
+
+        import torch
+
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 2) - 1)))
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -378,7 +378,8 @@ def test_bench_codec_smoke(tmp_path):
     from shoal.bench import codec as bench
 
     assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--batches", "1,2",
-                       "--chunks", "4,8", "--iters", "1", "--oneshot-frames", "16"]) == 0
+                       "--chunks", "4,8", "--iters", "1", "--oneshot-frames", "16",
+                       "--latency-reps", "2", "--variants", "none", "--serving-streams", "2"]) == 0
     res = json.loads((tmp_path / "codec.json").read_text())
     assert res["throughput"] and all("error" not in r for r in res["throughput"])
     assert res["latency"] and res["memory"]["weights_gib"] > 0
