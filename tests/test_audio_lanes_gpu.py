@@ -20,7 +20,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @gpu
 @pytest.mark.parametrize("dtype,window_state", [(torch.float32, "kv"), (torch.bfloat16, "kv"),
-                                                (torch.float32, "hidden"), (torch.bfloat16, "hidden")])
+                                                (torch.float32, "hidden"), (torch.bfloat16, "hidden"),
+                                                (torch.float32, "ring"), (torch.bfloat16, "ring")])
 def test_gpu_two_lane_worker_equals_eager(dtype, window_state, monkeypatch):
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setenv("SHOAL_CODEC_WINDOW_STATE", window_state)  # the serving decoders read it

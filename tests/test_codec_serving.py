@@ -268,7 +268,7 @@ def test_graph_code_path_pooled_rows(codec):
 
 
 @golden
-@pytest.mark.parametrize("group_positions,window_state", [(None, "kv"), (16, "kv"), (16, "hidden")])
+@pytest.mark.parametrize("group_positions,window_state", [(None, "kv"), (16, "kv"), (16, "hidden"), (16, "ring")])
 def test_bound_decoder_decodes_pool_rows_in_place(codec, group_positions, window_state):
     """A decoder bound to the streamer's slot pool records its graphs over the pool's rows
     (no state copy of its own): its code path equals eager decode_rows on a copy of the pool,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (TINY / "codec.pth").is_file(), reason="gold
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["kv", "hidden"])
+@pytest.fixture(scope="module", params=["kv", "hidden", "ring"])
 def codec(request):
     """The tiny codec carrying either window state (``window_state``: the transformer's keys
     and values, or its layers' normed inputs with keys and values recomputed per call)."""
@@ -212,7 +212,7 @@ def test_state_layout(dec, codec):
     layout = dec.state_layout()
     assert layout["quantizer.post_module.pos"] == ((), torch.int64)
     w = codec.config.quantizer.post_module
-    if codec.quantizer.post_module.window_state == "kv":
+    if codec.quantizer.post_module.window_state in ("kv", "ring"):
         assert layout["quantizer.post_module.layers.0.k"][0] == (w.n_head, w.window_size - 1, w.head_dim)
         assert "quantizer.post_module.layers.0.h" not in layout
     else:  # half the bytes: one [window - 1, dim] row per layer instead of keys and values

@@ -437,12 +437,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="stream slots of the serving-memory section (the engine's audio streamer)")
     p.add_argument("--max-call-streams", type=int, default=32, help="streams per codec call (serving section)")
     p.add_argument("--window-states", default="kv",
-                   help="comma list of kv,hidden: what a stream carries of the codec transformer's window "
+                   help="comma list of kv,hidden,ring: what a stream carries of the codec transformer's window "
                         "(serving section; SHOAL_CODEC_WINDOW_STATE)")
     args = p.parse_args(argv)
     for ws in args.window_states.split(","):
-        if ws.strip() not in ("kv", "hidden"):
-            p.error(f"--window-states: {ws!r} is not kv or hidden")
+        if ws.strip() not in ("kv", "hidden", "ring"):
+            p.error(f"--window-states: {ws!r} is not kv, hidden or ring")
     if args.quick:
         args.batches, args.chunks = "1,8,64,128", "4,8,32"
         args.iters, args.latency_reps = 3, 10

@@ -117,6 +117,11 @@ class StreamState:
         """Write a stream module's new carried state for ``key`` (every row, in place)."""
         self.tensors[key].copy_(value)
 
+    def rows(self, key: str) -> tuple[Tensor, Tensor | None]:
+        """``(buffer, rows)``: the tensor holding ``key`` and the row of each stream in it (None:
+        row b is stream b), for modules that read and write a few entries in place."""
+        return self.tensors[key], None
+
     def __setitem__(self, key: str, value: Tensor) -> None:
         self.tensors[key] = value
         self.flat = self.layout = None  # a replaced tensor is no view of the buffers any more
@@ -226,6 +231,9 @@ class IndexedState(StreamState):
     def store(self, key: str, value: Tensor) -> None:
         dst = self.pool.tensors[key]
         dst.index_copy_(0, self.index, value.to(dst.dtype))
+
+    def rows(self, key: str) -> tuple[Tensor, Tensor | None]:
+        return self.pool.tensors[key], self.index
 
     def __setitem__(self, key: str, value: Tensor) -> None:
         raise TypeError("an IndexedState is written through store()")
@@ -822,10 +830,15 @@ class WindowLimitedTransformer(StreamingModule):
       last window−1 positions instead, when ``window_state == "hidden"``: half the
       bytes per stream; each call recomputes those positions' keys and values
       (one GEMM over window−1 + t rows per layer instead of t) -- the same
-      function, not the same bits.
+      function, not the same bits;
+    * ``{key}.layers.{i}.k`` / ``.v`` in ring order when ``window_state == "ring"``:
+      position p's key in slot p mod (window−1), read in place by
+      :func:`~shoal.kernels.window_attention.window_attention` (no concatenation,
+      no mask tensor) and written only at the new positions' slots -- the same
+      function as ``kv``, not the same bits (the softmax sums in another order).
     """
 
-    WINDOW_STATES = ("kv", "hidden")
+    WINDOW_STATES = ("kv", "hidden", "ring")
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -893,9 +906,11 @@ class WindowLimitedTransformer(StreamingModule):
         q_pos = pos[:, None] + ar  # [B, t]
         # a fixed table (graphs) cannot grow: positions past it are clamped (documented limit)
         cos_sin = table[q_pos if rope is None else q_pos.clamp(max=table.shape[0] - 1)]  # [B, t, D/2, 2]
+        hidden = self.window_state == "hidden"
+        if self.window_state == "ring":
+            return self._forward_ring(x, state, cos_sin, pos, bound)
         k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
         mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
-        hidden = self.window_state == "hidden"
         if hidden:  # the window's keys are rotated again: negative (masked) positions read row 0
             k_cs = table[k_pos.clamp(min=0, max=table.shape[0] - 1)]  # [B, P + t, D/2, 2]
         for i, layer in enumerate(self.layers):
@@ -913,6 +928,26 @@ class WindowLimitedTransformer(StreamingModule):
                 state.store(kk, k[:, :, k.shape[2] - P:])
                 state.store(vk, v[:, :, v.shape[2] - P:])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            h = x + layer.attention_layer_scale(layer.attention.out(y))
+            x = layer.ffn(h)
+        state.store(f"{key}.pos", pos + t)
+        state.bounds[key] = bound
+        return x
+
+    def _forward_ring(self, x: Tensor, state: StreamState, cos_sin: Tensor, pos: Tensor, bound: int) -> Tensor:
+        """The ``ring`` window: each layer attends over its ring of carried keys and the new
+        ones in place, then writes the new positions' slots (see the class docstring)."""
+        from ..kernels.window_attention import ring_write, window_attention
+
+        key = self.state_key
+        t = x.shape[1]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
+            kbuf, rows = state.rows(f"{key}.layers.{i}.k")
+            vbuf, _ = state.rows(f"{key}.layers.{i}.v")
+            y = window_attention(q, kbuf, vbuf, k, v, pos, self.window, rows)
+            ring_write(kbuf, k, pos, rows)  # after the attention read the ring (stream order)
+            ring_write(vbuf, v, pos, rows)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
         state.store(f"{key}.pos", pos + t)

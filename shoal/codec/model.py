@@ -625,7 +625,8 @@ class Codec(nn.Module):
         block, which bounds the first block's activations too). ``window_state``: what a stream carries
         of the codec transformer's attention window (``WindowLimitedTransformer``): ``"kv"``
         its keys and values, ``"hidden"`` each layer's normed inputs (half the bytes; keys and
-        values recomputed per call); set it before any stream state is made.
+        values recomputed per call), ``"ring"`` the keys and values in ring order (attended and
+        updated in place by a kernel); set it before any stream state is made.
         """
         if group_head_blocks is not None:
             if int(group_head_blocks) < 0:

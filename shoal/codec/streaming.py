@@ -557,13 +557,15 @@ def pack_conv_weights(codec: Codec) -> int:
 def window_state_default() -> str | None:
     """What a serving stream carries of the codec transformer's window,
     ``SHOAL_CODEC_WINDOW_STATE``: ``kv`` (keys and values, 4.0 MiB per stream for the real
-    codec; a codec's default) or ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and
-    values recomputed each call); None when unset (the codec's own setting stays)."""
+    codec; a codec's default), ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and
+    values recomputed each call) or ``ring`` (the keys and values in ring order, 4.0 MiB, read
+    and written in place by the window-attention kernel); None when unset (the codec's own
+    setting stays)."""
     v = os.environ.get("SHOAL_CODEC_WINDOW_STATE", "").strip().lower()
     if not v:
         return None
-    if v not in ("kv", "hidden"):
-        raise ValueError(f"SHOAL_CODEC_WINDOW_STATE must be 'kv' or 'hidden', got {v!r}")
+    if v not in ("kv", "hidden", "ring"):
+        raise ValueError(f"SHOAL_CODEC_WINDOW_STATE must be 'kv', 'hidden' or 'ring', got {v!r}")
     return v
 
 
