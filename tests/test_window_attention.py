@@ -62,8 +62,9 @@ def _stream_case(dt: torch.dtype, D: int, window: int, schedule: list[int], pool
         ref = wa.window_attention_ref(q, kr, vr, k, v, pos, window)
         worst = max(worst, (got.float() - want.float()).abs().max().item())
         worst_ref = max(worst_ref, (ref.float() - want.float()).abs().max().item())
-        wa.ring_write(kring, k, pos, rows)
-        wa.ring_write(vring, v, pos, rows)
+        slots = wa.ring_slots(pos, t, P)
+        wa.ring_write(kring, k, slots, rows)
+        wa.ring_write(vring, v, slots, rows)
         pos = pos + t
     tol = 2e-5 if dt == torch.float32 else 2e-2
     untouched = True

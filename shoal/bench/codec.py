@@ -440,9 +440,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of kv,hidden,ring: what a stream carries of the codec transformer's window "
                         "(serving section; SHOAL_CODEC_WINDOW_STATE)")
     args = p.parse_args(argv)
+    from ..codec.layers import WindowLimitedTransformer
+
     for ws in args.window_states.split(","):
-        if ws.strip() not in ("kv", "hidden", "ring"):
-            p.error(f"--window-states: {ws!r} is not kv, hidden or ring")
+        if ws.strip() not in WindowLimitedTransformer.WINDOW_STATES:
+            p.error(f"--window-states: {ws!r} is not one of {', '.join(WindowLimitedTransformer.WINDOW_STATES)}")
     if args.quick:
         args.batches, args.chunks = "1,8,64,128", "4,8,32"
         args.iters, args.latency_reps = 3, 10

@@ -906,9 +906,9 @@ class WindowLimitedTransformer(StreamingModule):
         q_pos = pos[:, None] + ar  # [B, t]
         # a fixed table (graphs) cannot grow: positions past it are clamped (documented limit)
         cos_sin = table[q_pos if rope is None else q_pos.clamp(max=table.shape[0] - 1)]  # [B, t, D/2, 2]
-        hidden = self.window_state == "hidden"
         if self.window_state == "ring":
             return self._forward_ring(x, state, cos_sin, pos, bound)
+        hidden = self.window_state == "hidden"
         k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
         mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
         if hidden:  # the window's keys are rotated again: negative (masked) positions read row 0
@@ -937,17 +937,18 @@ class WindowLimitedTransformer(StreamingModule):
     def _forward_ring(self, x: Tensor, state: StreamState, cos_sin: Tensor, pos: Tensor, bound: int) -> Tensor:
         """The ``ring`` window: each layer attends over its ring of carried keys and the new
         ones in place, then writes the new positions' slots (see the class docstring)."""
-        from ..kernels.window_attention import ring_write, window_attention
+        from ..kernels.window_attention import ring_slots, ring_write, window_attention
 
         key = self.state_key
         t = x.shape[1]
+        slots = ring_slots(pos, t, self.window - 1)  # every layer writes the same slots
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
             kbuf, rows = state.rows(f"{key}.layers.{i}.k")
             vbuf, _ = state.rows(f"{key}.layers.{i}.v")
             y = window_attention(q, kbuf, vbuf, k, v, pos, self.window, rows)
-            ring_write(kbuf, k, pos, rows)  # after the attention read the ring (stream order)
-            ring_write(vbuf, v, pos, rows)
+            ring_write(kbuf, k, slots, rows)  # after the attention read the ring (stream order)
+            ring_write(vbuf, v, slots, rows)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
         state.store(f"{key}.pos", pos + t)

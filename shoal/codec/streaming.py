@@ -564,8 +564,11 @@ def window_state_default() -> str | None:
     v = os.environ.get("SHOAL_CODEC_WINDOW_STATE", "").strip().lower()
     if not v:
         return None
-    if v not in ("kv", "hidden", "ring"):
-        raise ValueError(f"SHOAL_CODEC_WINDOW_STATE must be 'kv', 'hidden' or 'ring', got {v!r}")
+    from .layers import WindowLimitedTransformer
+
+    if v not in WindowLimitedTransformer.WINDOW_STATES:
+        raise ValueError(f"SHOAL_CODEC_WINDOW_STATE must be one of {WindowLimitedTransformer.WINDOW_STATES}, "
+                         f"got {v!r}")
     return v
 
 

@@ -11,9 +11,9 @@ boolean mask tensor -- and writes only the new keys' slots afterwards (:func:`ri
 
 :func:`window_attention` is one kernel: each program takes a block of a stream-head's
 queries, walks the ring's slots (only when a query of the block is younger than ``P``) and the
-new keys inside the block's window, with an online softmax in fp32 (bf16 operands on the
-tensor cores, fp32 ones at IEEE precision; interpreted, 16-bit operands are multiplied in fp32 as
-stored). The softmax runs over the same keys as
+new keys inside the block's window, each tile through the paged attention's online-softmax
+update (``paged_attention._attend_tile``: fp32 softmax in log2 units, bf16 operands on the
+tensor cores, fp32 ones at IEEE precision). The softmax runs over the same keys as
 ``F.scaled_dot_product_attention`` on the concatenation, in another order: the same function,
 not the same bits. :func:`window_attention_ref` is that PyTorch form (the CPU path and the
 tests' reference). Launches depend on shapes only (CUDA-graph capture).
@@ -30,7 +30,10 @@ from torch import Tensor
 from .fused import use_triton
 from .paged_attention import HAS_TRITON, tl, triton, triton_interpreting
 
-__all__ = ["ring_positions", "ring_write", "window_attention", "window_attention_ref"]
+if HAS_TRITON:
+    from .paged_attention import _attend_tile  # the online-softmax tile update, called by name
+
+__all__ = ["ring_positions", "ring_slots", "ring_write", "window_attention", "window_attention_ref"]
 
 
 def ring_positions(pos: Tensor, P: int) -> Tensor:
@@ -53,16 +56,20 @@ def window_attention_ref(q: Tensor, k_ring: Tensor, v_ring: Tensor, k_new: Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def ring_write(ring: Tensor, new: Tensor, pos: Tensor, rows: Tensor | None = None) -> Tensor:
-    """Write the new positions' rows ``new`` [B, H, t, D] into ``ring`` [R, H, P, D] in place at
-    slots ``(pos + j) mod P`` (only the last ``P`` of them when ``t > P``) of row ``rows[b]``
-    (None: row b); returns ``ring``."""
-    R, H, P, D = ring.shape
-    B, t = new.shape[0], new.shape[2]
+def ring_slots(pos: Tensor, t: int, P: int) -> Tensor:
+    """[B, min(t, P)] int64: the ring slots of a call's last ``min(t, P)`` new positions (the
+    ones a ring of ``P`` keeps), ``(pos + j) mod P``; distinct within a row."""
     n = min(t, P)
-    j = torch.arange(t - n, t, device=pos.device)
-    slots = torch.remainder(pos[:, None] + j[None], P)  # [B, n], distinct per row
-    src = new[:, :, t - n:].to(ring.dtype)
+    return torch.remainder(pos[:, None] + torch.arange(t - n, t, device=pos.device)[None], P)
+
+
+def ring_write(ring: Tensor, new: Tensor, slots: Tensor, rows: Tensor | None = None) -> Tensor:
+    """Write the new positions' rows ``new`` [B, H, t, D] into ``ring`` [R, H, P, D] in place:
+    the last ``n`` of them at ``slots`` [B, n] (:func:`ring_slots`) of row ``rows[b]`` (None:
+    row b); returns ``ring``."""
+    B, n = slots.shape
+    H, D = ring.shape[1], ring.shape[3]
+    src = new[:, :, new.shape[2] - n:].to(ring.dtype)
     if rows is None:
         return ring.scatter_(2, slots[:, None, :, None].expand(B, H, n, D), src)
     # [R, P, H, D] view: (row, slot) pairs index whole [H, D] blocks
@@ -76,9 +83,9 @@ if HAS_TRITON:
     def _window_attn_kernel(q_ptr, kr_ptr, vr_ptr, kn_ptr, vn_ptr, pos_ptr, rows_ptr, o_ptr,
                             sqb, sqh, sqt, skrb, skrh, skrs, svrb, svrh, svrs,
                             sknb, sknh, sknt, svnb, svnh, svnt, sob, soh, sot,
-                            H, t, P, W, sm_scale,
-                            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                            ROWS: tl.constexpr):
+                            H, t, P, W, qk_scale,
+                            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr, ROWS: tl.constexpr):
         pid_bh = tl.program_id(0)
         pid_q = tl.program_id(1)
         b = pid_bh // H
@@ -94,6 +101,8 @@ if HAS_TRITON:
         q = tl.load(q_ptr + b * sqb + h * sqh + offs_q[:, None] * sqt + offs_d[None, :],
                     mask=qmask[:, None], other=0.0)
         q_pos = pos + offs_q
+        # a finite start: a tile whose keys are all masked (a young stream's ring, padding
+        # rows) leaves m, l and acc as they were instead of making exp2(-inf - -inf)
         m_i = tl.full([BQ], -1.0e30, tl.float32)
         l_i = tl.zeros([BQ], tl.float32)
         acc = tl.zeros([BQ, D], tl.float32)
@@ -107,23 +116,10 @@ if HAS_TRITON:
             v = tl.load(vr_ptr + rb * svrb + h * svrh + offs_s[:, None] * svrs + offs_d[None, :],
                         mask=smask[:, None], other=0.0)
             k_pos = pos - P + ((offs_s - pos) % P + P) % P
-            valid = (smask & (k_pos >= 0))[None, :] & (k_pos[None, :] <= q_pos[:, None]) \
+            visible = (smask & (k_pos >= 0))[None, :] & (k_pos[None, :] <= q_pos[:, None]) \
                 & (k_pos[None, :] > q_pos[:, None] - W)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid, s * sm_scale, -1.0e30)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:  # fp32 data; or 16-bit data interpreted: the MMA's products in fp32
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                    input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _attend_tile(q, k, v, k, v, visible, m_i, l_i, acc, qk_scale,
+                                         False, UPCAST_DOT, DOT_PRECISION)
         # the new keys inside the block's window: pos + max(0, q0 - W + 1) .. pos + q0 + BQ - 1
         lo = tl.maximum(q0 - W + 1, 0)
         lo = lo - lo % BK
@@ -136,22 +132,9 @@ if HAS_TRITON:
             v = tl.load(vn_ptr + b * svnb + h * svnh + offs_n[:, None] * svnt + offs_d[None, :],
                         mask=nmask[:, None], other=0.0)
             k_pos = pos + offs_n
-            valid = nmask[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - W)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(valid, s * sm_scale, -1.0e30)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.where(valid, tl.exp(s - m_new[:, None]), 0.0)
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:  # fp32 data; or 16-bit data interpreted: the MMA's products in fp32
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
-                                                    input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            visible = nmask[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - W)
+            m_i, l_i, acc = _attend_tile(q, k, v, k, v, visible, m_i, l_i, acc, qk_scale,
+                                         False, UPCAST_DOT, DOT_PRECISION)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + b * sob + h * soh + offs_q[:, None] * sot + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=qmask[:, None])
@@ -192,8 +175,7 @@ def window_attention(q: Tensor, k_ring: Tensor, v_ring: Tensor, k_new: Tensor, v
         q.stride(0), q.stride(1), q.stride(2), kr.stride(0), kr.stride(1), kr.stride(2),
         vr.stride(0), vr.stride(1), vr.stride(2), kn.stride(0), kn.stride(1), kn.stride(2),
         vn.stride(0), vn.stride(1), vn.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        H, t, P, window, 1.0 / math.sqrt(D),
-        # IEEE: fp32 operands at full precision; 16-bit ones when interpreted too (Triton's
-        # interpreter multiplies bf16 dot operands as raw bit patterns), as the MMA would
-        D=D, BQ=BQ, BK=BK, IEEE=q.dtype == torch.float32 or triton_interpreting(), ROWS=rows is not None, **opts)
+        H, t, P, window, math.log2(math.e) / math.sqrt(D),  # the tile update works in log2 units
+        D=D, BQ=BQ, BK=BK, UPCAST_DOT=triton_interpreting(),  # see paged_attention._mma_impl
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROWS=rows is not None, **opts)
     return out
