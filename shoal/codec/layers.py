@@ -706,6 +706,23 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def stacked_w13(self) -> Tensor:
+        """``cat(w1, w3)`` [2 * hidden, dim] for one GEMM, with no second copy: the first call
+        moves both weights into one buffer and leaves ``w1`` / ``w3`` as views of it; called again
+        after anything replaced them (a dtype or device move), it stacks them anew."""
+        w1, w3 = self.w1.weight, self.w3.weight
+        buf = self.__dict__.get("_w13")
+        if (buf is not None and buf.dtype == w1.dtype and buf.device == w1.device
+                and w1.data_ptr() == buf.data_ptr() and w3.data_ptr() == buf[w1.shape[0]:].data_ptr()
+                and w1.shape[0] + w3.shape[0] == buf.shape[0]):
+            return buf
+        with torch.no_grad():
+            buf = torch.cat([w1.detach(), w3.detach()], dim=0)
+            self.w1.weight.data = buf[: w1.shape[0]]
+            self.w3.weight.data = buf[w1.shape[0]:]
+        self.__dict__["_w13"] = buf
+        return buf
+
 
 _ROPE_LOCK = threading.Lock()
 _ROPE_CPU: dict[tuple[int, float], Tensor] = {}
@@ -836,6 +853,12 @@ class WindowLimitedTransformer(StreamingModule):
       :func:`~shoal.kernels.window_attention.window_attention` (no concatenation,
       no mask tensor) and written only at the new positions' slots -- the same
       function as ``kv``, not the same bits (the softmax sums in another order).
+
+    With ``kernels`` (``Codec.configure_serving(transformer_kernels=True)``) a streaming call with
+    the ``kv`` or ``ring`` state runs :meth:`_forward_stream_kernels`: each residual add with its
+    LayerScale and the RMSNorm after it is one kernel, RoPE one kernel, SiLU*mul one kernel, and
+    w1 / w3 one GEMM -- the module's roundings in the module's order (see
+    :mod:`shoal.kernels.fused` for where reductions differ).
     """
 
     WINDOW_STATES = ("kv", "hidden", "ring")
@@ -847,6 +870,7 @@ class WindowLimitedTransformer(StreamingModule):
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.window_state = "kv"  # Codec.configure_serving(window_state=...), before new_state
+        self.kernels = False  # Codec.configure_serving(transformer_kernels=...)
 
     def _rope(self, n: int, device) -> Tensor:
         return rope_table(n, self.cfg.head_dim, self.cfg.rope_base, device)
@@ -856,10 +880,20 @@ class WindowLimitedTransformer(StreamingModule):
         (CUDA-graph capture); by default the shared table is grown as needed."""
         x = x.transpose(1, 2)  # [B, T, C]
         if state is None:
-            x = self._forward_full(x)
+            x = self.norm(self._forward_full(x))
+        elif self._use_kernels(x):
+            x = self._forward_stream_kernels(x, state, rope)  # ends with the final norm
         else:
-            x = self._forward_stream(x, state, rope)
-        return self.norm(x).transpose(1, 2)
+            x = self.norm(self._forward_stream(x, state, rope))
+        return x.transpose(1, 2)
+
+    def _use_kernels(self, x: Tensor) -> bool:
+        """Whether a streaming call on ``x`` runs :meth:`_forward_stream_kernels`: ``kernels`` set,
+        the ``kv`` or ``ring`` state, new rows, the kernels can run (CUDA or the interpreter) and
+        every parameter has x's dtype (the kernels round to one dtype, as the module does then)."""
+        return (self.kernels and self.window_state in ("kv", "ring") and x.shape[1] > 0
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and use_triton(x)
+                and x.shape[-1] <= 8192 and self.norm.weight.dtype == x.dtype)
 
     def _forward_full(self, x: Tensor) -> Tensor:
         T = x.shape[1]
@@ -954,6 +988,58 @@ class WindowLimitedTransformer(StreamingModule):
         state.store(f"{key}.pos", pos + t)
         state.bounds[key] = bound
         return x
+
+    def _forward_stream_kernels(self, x: Tensor, state: StreamState, rope: Tensor | None = None) -> Tensor:
+        """:meth:`_forward_stream` (``kv`` or ``ring`` state) through the fused kernels, the final
+        norm included: per layer wqkv, RoPE, attention, wo, add+LayerScale+RMSNorm, w1|w3,
+        SiLU*mul, w2, add+LayerScale+RMSNorm (the next layer's norm, or the final one)."""
+        from ..kernels.codec_rope import rope_qkv
+        from ..kernels.fused import add_rmsnorm, silu_mul
+
+        key = self.state_key
+        B, t, _ = x.shape
+        dev = x.device
+        P = self.window - 1
+        H, D = self.cfg.n_head, self.cfg.head_dim
+        pos = state[f"{key}.pos"]  # [B]
+        bound = state.bounds.get(key, 0) + t
+        table = rope if rope is not None else self._rope(bound, dev)
+        ring = self.window_state == "ring"
+        if ring:
+            from ..kernels.window_attention import ring_slots, ring_write, window_attention
+
+            slots = ring_slots(pos, t, P)
+        else:
+            q_pos = pos[:, None] + torch.arange(t, device=dev)
+            k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
+            mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
+        layers = list(self.layers)
+        n, h = add_rmsnorm(x.contiguous(), None, layers[0].attention_norm.weight, layers[0].attention_norm.eps)
+        for i, layer in enumerate(layers):
+            att = layer.attention
+            q, k, v = rope_qkv(F.linear(n, att.wqkv.weight), table, pos, H, D, clamp=rope is not None)
+            if ring:
+                kbuf, rows = state.rows(f"{key}.layers.{i}.k")
+                vbuf, _ = state.rows(f"{key}.layers.{i}.v")
+                y = window_attention(q, kbuf, vbuf, k, v, pos, self.window, rows)
+                ring_write(kbuf, k, slots, rows)  # after the attention read the ring (stream order)
+                ring_write(vbuf, v, slots, rows)
+            else:
+                kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
+                k = torch.cat([state[kk].to(k.dtype), k], dim=2)
+                v = torch.cat([state[vk].to(v.dtype), v], dim=2)
+                state.store(kk, k[:, :, k.shape[2] - P:])
+                state.store(vk, v[:, :, v.shape[2] - P:])
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            n, h = add_rmsnorm(h, att.out(y), layer.ffn_norm.weight, layer.ffn_norm.eps,
+                               residual_scale=layer.attention_layer_scale.gamma)
+            ff = layer.feed_forward
+            f = F.linear(silu_mul(F.linear(n, ff.stacked_w13())), ff.w2.weight)
+            nxt = layers[i + 1].attention_norm if i + 1 < len(layers) else self.norm
+            n, h = add_rmsnorm(h, f, nxt.weight, nxt.eps, residual_scale=layer.ffn_layer_scale.gamma)
+        state.store(f"{key}.pos", pos + t)
+        state.bounds[key] = bound
+        return n
 
     def init_stream_state(self, batch_size, device, dtype):
         key = self.state_key

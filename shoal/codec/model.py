@@ -600,7 +600,8 @@ class Codec(nn.Module):
     def configure_serving(self, *, fused: bool | None = None, channels_last: bool | None = None,
                           triton_conv: bool | None = None, snake_epilogue: bool | str | None = None,
                           group_positions: int | None | bool = False,
-                          window_state: str | None = None, group_head_blocks: int | None = None) -> "Codec":
+                          window_state: str | None = None, group_head_blocks: int | None = None,
+                          transformer_kernels: bool | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -627,7 +628,12 @@ class Codec(nn.Module):
         its keys and values, ``"hidden"`` each layer's normed inputs (half the bytes; keys and
         values recomputed per call), ``"ring"`` the keys and values in ring order (attended and
         updated in place by a kernel); set it before any stream state is made.
+        ``transformer_kernels``: the codec transformer's streaming calls run their norms,
+        LayerScale residual adds, RoPE and SwiGLU as fused Triton kernels (CUDA or the
+        interpreter; ``WindowLimitedTransformer._forward_stream_kernels``), w1 and w3 as one GEMM.
         """
+        if transformer_kernels is not None:
+            self.quantizer.post_module.kernels = bool(transformer_kernels)
         if group_head_blocks is not None:
             if int(group_head_blocks) < 0:
                 raise ValueError(f"group_head_blocks must be >= 0, got {group_head_blocks!r}")

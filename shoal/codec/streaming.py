@@ -572,6 +572,18 @@ def window_state_default() -> str | None:
     return v
 
 
+def transformer_kernels_default() -> bool | None:
+    """``SHOAL_CODEC_TRANSFORMER_KERNELS``: ``1`` runs the codec transformer's streaming calls
+    through the fused kernels (``Codec.configure_serving(transformer_kernels=True)``), ``0`` through
+    the modules; None when unset (the codec's own setting stays: off until set)."""
+    v = os.environ.get("SHOAL_CODEC_TRANSFORMER_KERNELS", "").strip().lower()
+    if not v:
+        return None
+    if v not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+        raise ValueError(f"SHOAL_CODEC_TRANSFORMER_KERNELS must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "on", "yes")
+
+
 def configure_serving_layout(codec: Codec) -> str:
     """Put the codec's decoder in the layout serving uses (see :func:`serving_decoder`); returns
     it: "triton" (Triton implicit-GEMM convs, channels-last), "cudnn-cl" or "cudnn"."""
@@ -583,6 +595,9 @@ def configure_serving_layout(codec: Codec) -> str:
     ws = window_state_default()
     if ws is not None:  # unset: whatever the codec was configured with (kv until set)
         codec.configure_serving(window_state=ws)
+    tk = transformer_kernels_default()
+    if tk is not None:
+        codec.configure_serving(transformer_kernels=tk)
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())

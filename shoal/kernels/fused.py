@@ -129,8 +129,13 @@ def _check_dtype(name: str, t: Tensor) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def add_rmsnorm_ref(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``h = x + residual`` (or ``x``); ``normed = RMSNorm(h)`` as in layers.RMSNorm."""
+def add_rmsnorm_ref(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
+                    residual_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``h = x + residual`` (or ``x``); ``normed = RMSNorm(h)`` as in layers.RMSNorm.
+    ``residual_scale`` (a LayerScale's gamma, [dim]): ``h = x + residual * gamma``, the product
+    rounded first, as the codec transformer's ``x + LayerScale(branch)``."""
+    if residual is not None and residual_scale is not None:
+        residual = residual * residual_scale
     h = x if residual is None else x + residual
     hf = h.float()
     normed = hf * torch.rsqrt(torch.mean(hf * hf, dim=-1, keepdim=True) + eps)
@@ -305,10 +310,11 @@ if HAS_TRITON:
                 return x
 
     def _add_rmsnorm_kernel(
-        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, q_ptr, s_ptr,
+        x_ptr, r_ptr, w_ptr, out_ptr, h_ptr, q_ptr, s_ptr, g_ptr,
         stride_x, stride_r, stride_o, stride_h, stride_xs, stride_q, n_groups,
         n_cols, inv_n, eps,
         HAS_RES: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
         MEAN_DIV: tl.constexpr,
         BLOCK: tl.constexpr,
         HDT: tl.constexpr,
@@ -322,7 +328,8 @@ if HAS_TRITON:
         # SPLIT > 1: x is an FP8 GEMM's fp32 split-K partials (stride_xs apart), summed and
         # rounded to bf16 on load (_load_gemm_out). QUANT: also write the 1x128 e4m3
         # quantization of the output row (q, one fp32 scale per group; quantize_act's
-        # arithmetic). STORE_OUT: write the normed row itself.
+        # arithmetic). STORE_OUT: write the normed row itself. HAS_SCALE: the residual is
+        # multiplied by g (a LayerScale, rounded to HDT) before the add.
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < n_cols
@@ -332,6 +339,8 @@ if HAS_TRITON:
         h = _load_gemm_out(x_ptr + row * stride_x + offs, m, stride_xs, SPLIT)
         if HAS_RES:
             r = tl.load(r_ptr + row * stride_r + offs, mask=m, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                r = _round(r * tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32), HDT)
             h = _round(h + r, HDT)
             tl.store(h_ptr + row * stride_h + offs, h.to(h_ptr.dtype.element_ty), mask=m)
         ss = tl.sum(h * h, axis=0)
@@ -642,9 +651,11 @@ def _rmsnorm_launch(dim: int) -> tuple[int, int]:
 
 
 def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
-                       out: Tensor | None = None, h_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       out: Tensor | None = None, h_out: Tensor | None = None,
+                       residual_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Kernel version of :func:`add_rmsnorm_ref`. ``out`` / ``h_out`` (optional) receive
-    ``normed`` / ``h``; ``h_out`` may be ``residual`` or ``x`` itself (in place)."""
+    ``normed`` / ``h``; ``h_out`` may be ``residual`` or ``x`` itself (in place).
+    ``residual_scale``: [dim] in x's dtype (needs a residual)."""
     _require_kernel(x)
     _check_dtype("x", x)
     dim = x.shape[-1]
@@ -652,6 +663,15 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
         raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("residual must have x's shape and dtype")
+    g = None
+    if residual_scale is not None:
+        if residual is None:
+            raise ValueError("residual_scale needs a residual")
+        if residual_scale.numel() != dim or residual_scale.dtype != x.dtype:
+            raise ValueError(f"residual_scale must be [{dim}] {x.dtype}, got {tuple(residual_scale.shape)} "
+                             f"{residual_scale.dtype}")
+        g = residual_scale.reshape(dim)
+        g = g if g.stride(0) == 1 else g.contiguous()
     if dim > 8192:
         raise ValueError(f"dim {dim} > 8192 is not supported (one program per row)")
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
@@ -682,10 +702,11 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
 
     block, nw = _rmsnorm_launch(dim)
     _kernel("_add_rmsnorm_kernel")[(rows,)](
-        x2, r2 if r2 is not None else x2, w, o2, h2, x2, x2,
+        x2, r2 if r2 is not None else x2, w, o2, h2, x2, x2, g if g is not None else w,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, o2.stride(0), h2.stride(0), 0, 0, 0,
         dim, 1.0 / dim, float(eps),
         HAS_RES=residual is not None,
+        HAS_SCALE=g is not None,
         MEAN_DIV=not x.is_cuda,
         BLOCK=block,
         HDT=_DT_CODE[x.dtype],
@@ -763,10 +784,11 @@ def add_rmsnorm_quant_triton(x: GemmOut, residual: Tensor | None, weight: Tensor
     if rows == 0:
         return NormQuant(h, q, s, normed)
     _kernel("_add_rmsnorm_kernel")[(rows,)](
-        x2, r2 if r2 is not None else x2, w, o2, h2, q, s,
+        x2, r2 if r2 is not None else x2, w, o2, h2, q, s, w,
         stride_x, r2.stride(0) if r2 is not None else 0, o2.stride(0), h2.stride(0), stride_xs, q.stride(0), kb,
         dim, 1.0 / dim, float(eps),
         HAS_RES=residual is not None,
+        HAS_SCALE=False,
         MEAN_DIV=not data.is_cuda,
         BLOCK=block,
         HDT=_DT_CODE[xdt],
@@ -795,13 +817,14 @@ def add_rmsnorm_quant(x: GemmOut, residual: Tensor | None, weight: Tensor, eps: 
 
 
 def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
-                out: Tensor | None = None, h_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                out: Tensor | None = None, h_out: Tensor | None = None,
+                residual_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(normed, h)`` with ``h = x + residual`` (``x`` itself when ``residual`` is None,
     not re-written) and ``normed = RMSNorm(h)`` (layers.RMSNorm numerics). Rows are all
-    leading dims; dim <= 8192."""
+    leading dims; dim <= 8192. ``residual_scale``: see :func:`add_rmsnorm_ref`."""
     if use_triton(x):
-        return add_rmsnorm_triton(x, residual, weight, eps, out=out, h_out=h_out)
-    normed, h = add_rmsnorm_ref(x, residual, weight, eps)
+        return add_rmsnorm_triton(x, residual, weight, eps, out=out, h_out=h_out, residual_scale=residual_scale)
+    normed, h = add_rmsnorm_ref(x, residual, weight, eps, residual_scale=residual_scale)
     if out is not None:
         out.copy_(normed)
         normed = out

@@ -145,9 +145,10 @@ def window_attention(q: Tensor, k_ring: Tensor, v_ring: Tensor, k_new: Tensor, v
     """Attention of ``t`` new queries over a stream's ring of ``P`` carried keys and the ``t``
     new keys (see the module docstring). q / k_new / v_new [B, H, t, D] (any strides with a
     contiguous last dim), k_ring / v_ring [R, H, P, D] with ``rows`` [B] the ring row of each
-    stream (None: R = B, row b), pos [B] int64 (positions before the call) -> [B, H, t, D]
-    contiguous in q's dtype. Runs the kernel on CUDA tensors (or under Triton's interpreter),
-    else :func:`window_attention_ref`."""
+    stream (None: R = B, row b), pos [B] int64 (positions before the call) -> [B, H, t, D] in
+    q's dtype; the kernel's output lies in [B, t, H, D] memory (a transposed view), so the
+    output projection's ``[B, t, H * D]`` input is a view. Runs the kernel on CUDA tensors (or
+    under Triton's interpreter), else :func:`window_attention_ref`."""
     B, H, t, D = q.shape
     P = k_ring.shape[2]
     R = B if rows is None else k_ring.shape[0]
@@ -163,7 +164,7 @@ def window_attention(q: Tensor, k_ring: Tensor, v_ring: Tensor, k_new: Tensor, v
             k_ring, v_ring = k_ring.index_select(0, rows), v_ring.index_select(0, rows)
         return window_attention_ref(q, k_ring, v_ring, k_new, v_new, pos, window)
     q, kr, vr, kn, vn = [x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_ring, v_ring, k_new, v_new)]
-    out = torch.empty(B, H, t, D, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, t, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
     if t == 0:
         return out
     BQ = 16 if t <= 16 else 32

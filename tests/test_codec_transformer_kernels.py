@@ -1,0 +1,204 @@
+"""The codec transformer's fused streaming path (``Codec.configure_serving(transformer_kernels=True)``):
+the RoPE kernel (shoal.kernels.codec_rope) bit-equal to the module's ``apply_rotary_emb``, the
+add+RMSNorm kernel's LayerScale residual against the module form, and whole streaming calls of a
+small transformer with the kernels against the modules, for the ``kv`` and ``ring`` window states
+(Triton interpreter; GPU at the real codec's sizes)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+if __name__ != "__main__":
+    from interpreter_worker import assert_case, run_worker
+
+from shoal.codec.config import TransformerConfig
+from shoal.codec.layers import LayerScale, RMSNorm, StreamState, WindowLimitedTransformer, apply_rotary_emb, rope_table
+from shoal.kernels import codec_rope
+from shoal.kernels.fused import add_rmsnorm
+
+SMALL = TransformerConfig(dim=64, n_layer=2, n_head=4, head_dim=16, intermediate_size=96, window_size=8)
+
+
+def _transformer(dt: torch.dtype, seed: int = 0, cfg: TransformerConfig = SMALL, device="cpu") -> WindowLimitedTransformer:
+    torch.manual_seed(seed)
+    tr = WindowLimitedTransformer(cfg)
+    with torch.no_grad():  # LayerScales and norms away from their init, so a dropped one shows
+        for p in tr.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.rand_like(p) + 0.5)
+            else:
+                p.mul_(4.0)
+    tr.state_key = "t"
+    return tr.to(device=device, dtype=dt).eval()
+
+
+def _stream(tr: WindowLimitedTransformer, schedule: list[int], seed: int, kernels: bool, ws: str,
+            device="cpu") -> tuple[torch.Tensor, StreamState]:
+    tr.window_state, tr.kernels = ws, kernels
+    dt = tr.norm.weight.dtype
+    B = 3
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, tr.cfg.dim, sum(schedule), generator=g).to(device=device, dtype=dt)
+    state = StreamState(tr.init_stream_state(B, device, dt))
+    outs, a = [], 0
+    with torch.no_grad():
+        for t in schedule:
+            outs.append(tr(x[:, :, a:a + t], state))
+            a += t
+    return torch.cat(outs, dim=2), state
+
+
+def _rope_case(dt: torch.dtype, clamp: bool) -> dict:
+    g = torch.Generator().manual_seed(3)
+    B, t, H, D = 3, 5, 4, 16
+    qkv = (torch.randn(B, t, 3 * H * D, generator=g) * 4).to(dt)
+    table = rope_table(16, D, 10000.0)[:19 if clamp else 32]
+    pos = torch.tensor([0, 9, 14])  # with clamp the last stream runs past the table
+    q, k, v = codec_rope.rope_qkv_triton(qkv, table, pos, H, D, clamp)
+    p = pos[:, None] + torch.arange(t)
+    cs = table[p.clamp(max=table.shape[0] - 1) if clamp else p]
+    mq, mk, mv = qkv.view(B, t, 3, H, D).unbind(2)
+    return {"checks": {}, "flags": {
+        "q_bits": torch.equal(q, apply_rotary_emb(mq, cs).transpose(1, 2)),
+        "k_bits": torch.equal(k, apply_rotary_emb(mk, cs).transpose(1, 2)),
+        "v_bits": torch.equal(v, mv.transpose(1, 2)),
+        "ref_bits": all(torch.equal(a, b) for a, b in zip((q, k, v), codec_rope.rope_qkv_ref(qkv, table, pos, H, D, clamp)))}}
+
+
+def _norm_case(dt: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 64, generator=g) * 3).to(dt)
+    y = (torch.randn(6, 64, generator=g) * 30).to(dt)
+    norm, ls = RMSNorm(64).to(dt), LayerScale(64).to(dt)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(64, generator=g) + 0.5)
+        ls.gamma.copy_(torch.rand(64, generator=g))
+    h_mod = x + ls(y)
+    n_mod = norm(h_mod)
+    n, h = add_rmsnorm(x, y, norm.weight, norm.eps, residual_scale=ls.gamma)
+    ulp = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -20
+    return {"checks": {"normed": ((n.float() - n_mod.float()).abs().max().item(), ulp * n_mod.float().abs().max().item())},
+            "flags": {"h_bits": torch.equal(h, h_mod)}}
+
+
+def _stream_case(dt: torch.dtype, ws: str, schedule: list[int]) -> dict:
+    tr = _transformer(dt)
+    want, s_want = _stream(tr, schedule, 7, False, ws)
+    calls = []
+    kernel = codec_rope.rope_qkv_triton
+    codec_rope.rope_qkv_triton = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    try:
+        got, s_got = _stream(tr, schedule, 7, True, ws)
+    finally:
+        codec_rope.rope_qkv_triton = kernel
+    scale = want.float().abs().max().item()
+    tol = (2.0 ** -7 if dt == torch.bfloat16 else 1e-5) * scale
+    state_diff = max((s_got.tensors[k].float() - s_want.tensors[k].float()).abs().max().item() for k in s_want.tensors)
+    kv_scale = max(v.float().abs().max().item() for v in s_want.tensors.values())
+    return {"checks": {"out": ((got.float() - want.float()).abs().max().item(), tol),
+                       "state": (state_diff, (2.0 ** -7 if dt == torch.bfloat16 else 1e-5) * kv_scale)},
+            "flags": {"kernels_ran": len(calls) == len(schedule) * tr.cfg.n_layer,
+                      "w1_w3_views": tr.layers[0].feed_forward.w1.weight.data_ptr()
+                      == tr.layers[0].feed_forward.stacked_w13().data_ptr()}}
+
+
+CASES = {
+    "rope_fp32": lambda: _rope_case(torch.float32, False),
+    "rope_bf16_clamp": lambda: _rope_case(torch.bfloat16, True),
+    "norm_scale_fp32": lambda: _norm_case(torch.float32),
+    "norm_scale_bf16": lambda: _norm_case(torch.bfloat16),
+    # a young window, a call past the window (t > P), the ring wrapping
+    "stream_kv_fp32": lambda: _stream_case(torch.float32, "kv", [3, 9, 2, 5]),
+    "stream_ring_fp32": lambda: _stream_case(torch.float32, "ring", [3, 9, 2, 5]),
+    "stream_ring_bf16": lambda: _stream_case(torch.bfloat16, "ring", [1, 4, 11]),
+}
+
+if __name__ == "__main__":  # child process: TRITON_INTERPRET=1
+    from interpreter_worker import report_cases
+
+    report_cases(CASES, lambda name: CASES[name]())
+    sys.exit(0)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    if not codec_rope.HAS_TRITON:
+        pytest.skip("triton not installed")
+    return run_worker(__file__)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_under_the_interpreter(interpreted, name):
+    assert_case(interpreted[name], need_any=True)
+
+
+def test_cpu_runs_the_modules():
+    """Without CUDA or the interpreter the flag changes nothing: the module path, same bits."""
+    if codec_rope.use_triton(torch.zeros(1)):
+        pytest.skip("the interpreter is on in this process")
+    tr = _transformer(torch.float32)
+    want, _ = _stream(tr, [2, 5], 1, False, "ring")
+    got, _ = _stream(tr, [2, 5], 1, True, "ring")
+    assert torch.equal(got, want)
+
+
+def test_stacked_w13_shares_storage_and_follows_moves():
+    tr = _transformer(torch.float32)
+    ff = tr.layers[0].feed_forward
+    w1, w3 = ff.w1.weight.detach().clone(), ff.w3.weight.detach().clone()
+    buf = ff.stacked_w13()
+    assert torch.equal(buf, torch.cat([w1, w3]))
+    assert ff.w1.weight.data_ptr() == buf.data_ptr() and ff.stacked_w13() is buf
+    assert set(tr.state_dict()) == set(_transformer(torch.float32).state_dict())  # no new entries
+    tr.to(torch.bfloat16)  # the module move replaces both weights: stacked again, in bf16
+    buf2 = ff.stacked_w13()
+    assert buf2.dtype == torch.bfloat16 and torch.equal(buf2, torch.cat([w1, w3]).to(torch.bfloat16))
+    assert ff.w3.weight.data_ptr() == buf2[w1.shape[0]:].data_ptr()
+
+
+def test_configure_serving_sets_the_flag(tmp_path, monkeypatch):
+    from shoal.codec.streaming import transformer_kernels_default
+
+    monkeypatch.setenv("SHOAL_CODEC_TRANSFORMER_KERNELS", "1")
+    assert transformer_kernels_default() is True
+    monkeypatch.setenv("SHOAL_CODEC_TRANSFORMER_KERNELS", "0")
+    assert transformer_kernels_default() is False
+    monkeypatch.setenv("SHOAL_CODEC_TRANSFORMER_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="SHOAL_CODEC_TRANSFORMER_KERNELS"):
+        transformer_kernels_default()
+    monkeypatch.delenv("SHOAL_CODEC_TRANSFORMER_KERNELS")
+    assert transformer_kernels_default() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ws", ["kv", "ring"])
+def test_gpu_real_size_streams_match_the_modules(ws):
+    """The real codec transformer's shapes (1024 wide, 8 layers, 16 heads x 64, window 128), bf16,
+    64 streams over calls of 32, 1, 8 and 128 frames: the kernels equal the modules to bf16
+    rounding, outputs and carried keys / values; q and k bit-equal to the module's RoPE."""
+    cfg = TransformerConfig(dim=1024, n_layer=8, n_head=16, head_dim=64, intermediate_size=3072, window_size=128)
+    tr = _transformer(torch.bfloat16, 0, cfg, "cuda")
+    with torch.no_grad():  # real-checkpoint-like magnitudes: small LayerScales, unit norms
+        for layer in tr.layers:
+            layer.attention_layer_scale.gamma.fill_(0.05)
+            layer.ffn_layer_scale.gamma.fill_(0.05)
+            for p in layer.parameters():
+                if p.dim() == 2:
+                    p.div_(4.0)
+    want, s_want = _stream(tr, [32, 1, 8, 128], 2, False, ws, "cuda")
+    got, s_got = _stream(tr, [32, 1, 8, 128], 2, True, ws, "cuda")
+    scale = want.float().abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= 2.0 ** -6 * scale
+    for k in s_want.tensors:
+        a, b = s_got.tensors[k].float(), s_want.tensors[k].float()
+        assert (a - b).abs().max().item() <= 2.0 ** -6 * max(b.abs().max().item(), 1e-6), k
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = torch.randn(64, 32, 3 * 1024, device="cuda", generator=g).to(torch.bfloat16)
+    table = rope_table(4096, 64, 10000.0, "cuda")
+    pos = torch.randint(0, 4000, (64,), device="cuda", generator=g)
+    q, k, v = codec_rope.rope_qkv_triton(qkv, table, pos, 16, 64, clamp=True)
+    rq, rk, rv = codec_rope.rope_qkv_ref(qkv, table, pos, 16, 64, clamp=True)
+    assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)
