@@ -17,6 +17,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 log = logging.getLogger("shoal.server")
 
@@ -81,6 +83,14 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
     return error_response(status, message, getattr(exc, "headers", None))
 
 
+async def _client_disconnect(request: Request, exc: ClientDisconnect) -> Response:
+    """The client closed the connection while its body was being read: nobody to answer and
+    nothing wrong here, so no 500 and no traceback; 499 (as for a client gone before the first
+    audio, :func:`~shoal.server.streaming.release_after_error`) is what the metrics count."""
+    log.debug("client left during the request body on %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return error_response(500, f"internal server error ({type(exc).__name__})")
@@ -90,4 +100,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _request_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)

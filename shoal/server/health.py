@@ -11,11 +11,13 @@ from .state import get_state
 router = APIRouter()
 
 
+@router.head("/v1/health", include_in_schema=False)  # uptime probes send HEAD
 @router.get("/v1/health", summary="Liveness")
 async def health() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+@router.head("/v1/ready", include_in_schema=False)
 @router.get("/v1/ready", summary="Readiness: 200 once warm-up is done, else 503")
 async def ready(request: Request) -> JSONResponse:
     state = get_state(request)

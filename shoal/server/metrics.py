@@ -145,6 +145,7 @@ class MetricsMiddleware:
 router = APIRouter()
 
 
+@router.head("/metrics", include_in_schema=False)
 @router.get("/metrics", summary="Prometheus metrics", include_in_schema=False)
 async def metrics_endpoint(request: Request) -> Response:
     body, ctype = request.app.state.shoal.metrics.render()

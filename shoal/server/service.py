@@ -213,6 +213,11 @@ class TTSService:
         return self.engine.engine.max_running
 
     @property
+    def max_seq_len(self) -> int:
+        """The engine's context in tokens (one per reference codec frame, among others)."""
+        return self.engine.engine.max_seq_len
+
+    @property
     def kv_cache_dtype(self) -> str:
         """The engine's slow KV cache storage: "fp8" or the model's dtype name."""
         from ..checkpoint import dtype_name
@@ -291,6 +296,8 @@ class TTSService:
         if samples.size < 2048:
             raise APIError(400, f"{where}: audio is too short ({samples.size} samples at "
                                 f"{self.sample_rate} Hz)")
+        if not np.isfinite(samples).all():  # the codec would turn them into a voice of zeros
+            raise APIError(400, f"{where}: the audio decodes to non-finite samples (NaN or infinity)")
         with self._codec_lock:
             codes = self.tts.encode_reference(samples)
             self._ref_cache[key] = codes
@@ -303,13 +310,21 @@ class TTSService:
         """Inline references -> :class:`Reference` per speaker group.
 
         Errors name the reference (``references[2]``, or ``references[1][0]`` when nested).
+        Encoding stops at the first reference that takes the codes past the context: every
+        codec frame is a prompt token, so such a prompt could only be refused afterwards.
         """
         out: list[list[Reference]] = []
+        frames = 0
         for i, group in enumerate(groups):
             refs = []
             for j, (audio, text) in enumerate(group):
                 where = f"references[{i}][{j}]" if nested else f"references[{i}]"
                 codes = await self._run_prep(self._encode_one, audio, where)
+                frames += codes.shape[1]
+                if frames >= self.max_seq_len:
+                    raise APIError(400, f"{where}: the references so far are {frames} codec frames, more "
+                                        f"than the model's context of {self.max_seq_len} tokens holds; "
+                                        "send shorter or fewer references")
                 refs.append(Reference(text, codes))
             out.append(refs)
         return out

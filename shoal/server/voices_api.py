@@ -344,6 +344,7 @@ def _int_param(request: Request, name: str, default: int, low: int, high: int) -
     return value
 
 
+@router.head("/model", include_in_schema=False)
 @router.get("/model", summary="List voices (Fish Audio API)")
 async def list_voices(request: Request) -> JSONResponse:
     author, _ = _caller(request)
@@ -370,6 +371,7 @@ async def list_voices(request: Request) -> JSONResponse:
     })
 
 
+@router.head("/model/{voice_id}", include_in_schema=False)
 @router.get("/model/{voice_id}", summary="Get a voice (Fish Audio API)")
 async def get_voice(voice_id: str, request: Request) -> JSONResponse:
     _caller(request)
@@ -404,6 +406,7 @@ async def delete_voice(voice_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"_id": voice.id, "deleted": True})
 
 
+@router.head("/model/{voice_id}/cover", include_in_schema=False)
 @router.get("/model/{voice_id}/cover", name="voice_cover", summary="A voice's cover image")
 async def voice_cover(voice_id: str, request: Request) -> FileResponse:
     _caller(request)
@@ -413,6 +416,7 @@ async def voice_cover(voice_id: str, request: Request) -> FileResponse:
     return _file(path, voice.cover_media_type or "application/octet-stream", voice.id)
 
 
+@router.head("/model/{voice_id}/samples/{sample_id}", include_in_schema=False)
 @router.get("/model/{voice_id}/samples/{sample_id}", name="voice_sample", summary="A voice's sample audio")
 async def voice_sample(voice_id: str, sample_id: str, request: Request) -> FileResponse:
     _caller(request)

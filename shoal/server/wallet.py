@@ -20,6 +20,7 @@ EPOCH = "2024-01-01T00:00:00Z"
 NEVER = "9999-12-31T23:59:59Z"
 
 
+@router.head("/wallet/{user_id}/api-credit", include_in_schema=False)
 @router.get("/wallet/{user_id}/api-credit", summary="API credit (unlimited on a local server)")
 async def api_credit(user_id: str, request: Request) -> JSONResponse:
     get_state(request).auth.check(request)
@@ -30,6 +31,7 @@ async def api_credit(user_id: str, request: Request) -> JSONResponse:
     })
 
 
+@router.head("/wallet/{user_id}/package", include_in_schema=False)
 @router.get("/wallet/{user_id}/package", summary="Package (unlimited on a local server)")
 async def package(user_id: str, request: Request) -> JSONResponse:
     get_state(request).auth.check(request)

@@ -156,6 +156,17 @@ def _plural_word(phrase: str) -> str:
     return f"{head} {last}" if head else last
 
 
+# Digit runs longer than this are read digit by digit, never as one number: num2words refuses
+# values past 10**306 and int() strings past 4300 digits.
+MAX_NUMBER_DIGITS = 15
+
+
+def _too_long(*toks: str) -> bool:
+    """Whether any of these digit strings (``,`` and a leading ``-`` allowed) is too long to read
+    as one number (:data:`MAX_NUMBER_DIGITS`)."""
+    return any(len(t.replace(",", "").lstrip("-")) > MAX_NUMBER_DIGITS for t in toks)
+
+
 def number_words(tok: str) -> str:
     """Any numeric token: ``1,234.5``, ``-3.14``, ``.5``, ``007``, ``42``."""
     tok = tok.strip()
@@ -164,7 +175,7 @@ def number_words(tok: str) -> str:
         tok = tok[1:]
     tok = tok.replace(",", "")
     whole, dot, frac = tok.partition(".")
-    if whole and (len(whole) > 15 or (len(whole) > 1 and whole[0] == "0")):
+    if whole and (len(whole) > MAX_NUMBER_DIGITS or (len(whole) > 1 and whole[0] == "0")):
         out = digits(whole)
     elif whole:
         out = cardinal(int(whole))
@@ -500,6 +511,8 @@ def _money_words(tok: str, cur: tuple, scale: str | None) -> str:
     if scale:
         return f"{number_words(clean)} {_SCALES[scale.strip()]} {many}"
     whole, _, frac = clean.partition(".")
+    if _too_long(whole):
+        return f"{number_words(clean)} {many}"
     if frac and len(frac) == 2 and sub1:
         w = int(whole or 0)
         c = int(frac)
@@ -549,6 +562,8 @@ def _sub_decade_short(m: re.Match) -> str:
 
 
 def _sub_ordinal(m: re.Match) -> str:
+    if _too_long(m.group(1)):
+        return number_words(m.group(1))
     return ordinal(int(m.group(1).replace(",", "")))
 
 
@@ -579,12 +594,14 @@ def _fraction_words(num: int, den: int) -> str | None:
 
 
 def _sub_fraction(m: re.Match) -> str:
-    a, b = int(m.group(1)), int(m.group(2))
-    f = _fraction_words(a, b)
-    return f if f else f"{number_words(m.group(1))} {number_words(m.group(2))}"
+    a, b = m.group(1), m.group(2)
+    f = None if _too_long(a, b) else _fraction_words(int(a), int(b))
+    return f if f else f"{number_words(a)} {number_words(b)}"
 
 
 def _sub_mixed_fraction(m: re.Match) -> str:
+    if _too_long(m.group(2), m.group(3)):
+        return m.group(0)  # the plain fraction rule reads it
     f = _fraction_words(int(m.group(2)), int(m.group(3)))
     if f is None or int(m.group(2)) >= int(m.group(3)):
         return m.group(0)
