@@ -8,7 +8,7 @@ Builds the real-size codec once (random weights, bf16 decode side) and, for each
 * the post-quantizer transformer alone: one streaming call of 64 streams x 32 frames captured
   in a CUDA graph, replay time (median of 30), and its output against the ``kv`` modules' on
   the same input (max abs difference; bf16);
-* the graphed serving decoder (``serving_decoder``): 64 x 32 and 64 x 8 frame calls
+* the graphed serving decoder (``serving_decoder``): 64 x 32, 64 x 8 and 1 x 8 frame calls
   (``shoal.bench.codec.time_stream``).
 
 Writes ``$OUT/codec-transformer-ab.json``."""
@@ -86,14 +86,14 @@ def main() -> None:
                     "out_max_abs": base.float().abs().max().item()}
             codec.configure_serving(window_state=ws, transformer_kernels=kern)
             dec = serving_decoder(codec, max_batch=64)
-            for b, f in [(64, 32), (64, 8)]:
+            for b, f in [(64, 32), (64, 8), (1, 8)]:
                 cell[f"{b}x{f}"] = time_stream(dec, codec, b, f, 10, 3, dev)
             del dec
             torch.cuda.empty_cache()
             row[tag] = cell
             print(r, tag, f"transformer {cell['transformer_64x32_ms']:.3f} ms (diff {cell['max_abs_diff_vs_kv']:.3g})",
                   f"64x32 {cell['64x32']['call_ms']:.2f} ms {cell['64x32']['audio_s_per_s']:.0f} audio s/s",
-                  f"64x8 {cell['64x8']['call_ms']:.2f} ms", flush=True)
+                  f"64x8 {cell['64x8']['call_ms']:.2f} ms 1x8 {cell['1x8']['call_ms']:.2f} ms", flush=True)
         res["rounds"].append(row)
     d = os.environ.get("OUT", ".")
     os.makedirs(d, exist_ok=True)
