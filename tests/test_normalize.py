@@ -208,3 +208,94 @@ def test_number_helpers():
     assert year_words(1900) == "nineteen hundred"
     assert year_words(1905) == "nineteen oh five"
     assert year_words(2000) == "two thousand"
+
+
+# --------------------------------------------------------------------------- linear time
+# Each of these took 1.7 to 6.5 s of CPU before the rules were made linear (a rule rescanning a
+# long run from each of its characters); now each takes well under 0.2 s. CPU time of this thread,
+# so a loaded machine doesn't flake; 1 s is generous.
+PATHOLOGICAL = {
+    "digits": ("9" * 10000, "en"),
+    "negative": ("-" + "9" * 9999, "en"),
+    "decimal": ("9." + "9" * 9998, "en"),
+    "dollars": ("$" + "9" * 9999, "en"),
+    "dollar sign apart": ("$ " + "9" * 9998, "en"),
+    "ordinal": ("9" * 9998 + "th", "en"),
+    "fraction": ("1/" + "7" * 9998, "en"),
+    "mixed fraction": ("3 1/" + "7" * 9996, "en"),
+    "unicode fraction": ("9" * 9999 + "½", "en"),
+    "dimension": ("9" * 5000 + "x" + "9" * 4999, "en"),
+    "range": ("9" * 5000 + "-" + "9" * 4999, "en"),
+    "dots": ("1." * 5000, "en"),
+    "dotted pairs": (("12.34." * 1667)[:10000], "en"),
+    "dotted triples": ("123.456." * 1250, "en"),
+    "dotted long group": ("1.2." + "3" * 9996, "en"),
+    "address long group": ("192.168." + "1" * 9992, "en"),
+    "thousands groups": ("999," * 2500, "en"),
+    "thousands groups times": ("1" + ",000" * 2499 + "x", "en"),
+    "dashes": ("1-" * 5000, "en"),
+    "dashes before at": ("1-" * 4999 + "@", "en"),
+    "colons": ("1:" * 5000, "en"),
+    "spaces": ("a" + " " * 9998 + "b", "en"),
+    "dotted letters": ("a." * 5000, "en"),
+    "saint after a long word": ("a" * 9986 + ". St. St. St.", "en"),
+    "doctor after long digits": ("9" * 9986 + ". Dr. Dr. Dr.", "en"),
+    "chinese digits": ("9" * 10000, "zh"),
+}
+
+
+@pytest.mark.parametrize("text,lang", list(PATHOLOGICAL.values()), ids=list(PATHOLOGICAL))
+def test_long_runs_take_linear_time(text, lang):
+    import time
+
+    normalize_text("warm up 1")
+    start = time.thread_time()
+    out = normalize_text(text, lang)
+    cpu = time.thread_time() - start
+    assert cpu < 1.0, f"{cpu:.2f} s of CPU"
+    assert not any(c.isdigit() for c in out), out[:80]
+    assert out.strip()
+
+
+def test_long_runs_read_sanely():
+    assert normalize_text("9" * 10000) == " ".join(["nine"] * 10000)
+    assert normalize_text("Call " + "9" * 20 + " now.") == "Call " + " ".join(["nine"] * 20) + " now."
+    assert normalize_text("1/" + "7" * 30) == "one " + " ".join(["seven"] * 30)
+    assert normalize_text("1." * 3) == "one point one point one."
+    assert normalize_text("a" + " " * 9998 + "b") == "a b"
+    assert normalize_text("a." * 5000) == "a." * 5000
+    assert normalize_text("a" * 9986 + ". St. St. St.").endswith(". Saint Saint Saint.")
+    assert normalize_text("9" * 10000, "zh") == "九" * 10000
+
+
+def test_linear_helpers_match_the_patterns_they_replace():
+    """_protected_spans, _sub_emails and the symbol rules find the matches of the simpler
+    (quadratic) patterns they stand in for."""
+    import random
+    import re
+
+    from shoal.text import normalize as nz
+
+    rng = random.Random(0)
+
+    def text(alphabet, n=14):
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, n)))
+
+    for _ in range(3000):
+        s = text(["a", "9", " ", "\n", "[", "]", "<", "|", ">", "我", "é", "[x]", "<|y|>", "[我]"])
+        assert nz._protected_spans(s) == [m.span() for m in nz._PROTECT_RE.finditer(s)], s
+        s = text(["a", "1", "_", ".", "+", "-", "@", " ", ",", "é", "@a.b", ".com"])
+        assert nz._sub_emails(s) == nz._EMAIL_RE.sub(nz._sub_email, s), s
+        s = text([" ", "\t", "\n", "a", "&", "=", "<", ">", "!", "%"])
+        assert re.sub(nz._spaced("&"), "_", s) == re.sub(r"\s*&\s*", "_", s), s
+        assert nz._EQUALS_RE.sub("_", s) == re.sub(r"(?<![=<>!])\s*=\s*(?![=>])", "_", s), s
+        assert nz._PERCENT_SIGN_RE.sub("_", s) == re.sub(r"\s*%", "_", s), s
+    # the guards that keep a digit run or a "1,234,567" chain from being rescanned change no match
+    for pat in (nz._NUMBER_RE, nz._ORDINAL_RE, nz._DIMENSION_RE, nz._TIMES_RE, nz._UNIT_RE, nz._UFRAC_RE,
+                nz._ZH_PERCENT_RE):
+        plain = re.compile(pat.pattern.replace(nz._NOT_MID_GROUP, "").replace("(?<!\\d)", ""))
+        assert plain.pattern != pat.pattern
+        for _ in range(1500):
+            s = text(["1", "12", "123", "1234", ",", ".", "x", "th", "%", "-", " ", "a", "½", "km"], 10)
+            assert [(m.span(), m.groups()) for m in pat.finditer(s)] == [
+                (m.span(), m.groups()) for m in plain.finditer(s)], (pat.pattern, s)

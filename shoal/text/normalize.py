@@ -104,6 +104,9 @@ def _american(s: str) -> str:
     return re.sub(r"\s+", " ", s).strip()
 
 
+# Cached: a 10,000-character text can hold thousands of numbers, and num2words takes tens of
+# microseconds a call. ``typed``: ``1.0`` must not share ``1``'s entry.
+@lru_cache(maxsize=4096, typed=True)
 def cardinal(n: int) -> str:
     """``-1234`` → ``minus one thousand two hundred thirty-four``."""
     if n < 0:
@@ -111,6 +114,7 @@ def cardinal(n: int) -> str:
     return _american(_n2w()(n, lang="en"))
 
 
+@lru_cache(maxsize=4096, typed=True)
 def ordinal(n: int) -> str:
     """``22`` → ``twenty-second``."""
     return _american(_n2w()(n, lang="en", to="ordinal"))
@@ -293,14 +297,29 @@ _AFTER_YEAR_OK = {
 
 # --------------------------------------------------------------------------- regexes
 
-NUM = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+# Linear time: every rule must take time linear in its input (the server accepts 10,000-character
+# texts, and a rule that rescans a long run from each of its characters takes seconds on one).
+# Hence the "(?<!\d)" lookbehinds that start the scan of a digit run at its first digit only, and
+# _NOT_MID_GROUP: a "1,234,567" group chain is not rescanned from each of its inner groups (a
+# chain read from an inner ",ddd,ddd," group can be read from the group before it too, which the
+# search tried first, so this changes no match). Tests check each guard against the pattern
+# without it, and long runs against a time bound.
+_NOT_MID_GROUP = r"(?!(?<=,\d{3},)\d{3},)"
+NUM = r"(?:" + _NOT_MID_GROUP + r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 _RANGE_SEP = r"(?:\s?[-–]\s?|\s+to\s+)"
-_PROTECT_RE = re.compile(
+_TAG_RE = re.compile(
     r"<\|[^|<>\n]*\|>"  # <|speaker:0|> and other special tokens
     r"|\[[^\[\]\n]*\]"  # [laughing], [whispers softly]
-    r"|\S*[^\W\d_A-Za-z\u00C0-\u024F\u1E00-\u1EFF\u00AA\u00B2\u00B3\u00B5\u00B9\u00BA\u00BC-\u00BE\u2150-\u215F]\S*"
-    # ^ tokens with a letter of a non-Latin script (not µ, ², ½ …)
 )
+# a letter of a non-Latin script (not µ, ², ½ …)
+_NON_LATIN_LETTER_RE = re.compile(
+    r"[^\W\d_A-Za-z\u00C0-\u024F\u1E00-\u1EFF\u00AA\u00B2\u00B3\u00B5\u00B9\u00BA\u00BC-\u00BE\u2150-\u215F]"
+)
+# What English normalisation leaves alone: tags, and every whitespace-delimited token with a
+# letter of a non-Latin script. The spans are found by _protected_spans (this pattern's matches in
+# linear time: the pattern itself rescans a long token from each of its characters).
+_PROTECT_RE = re.compile(_TAG_RE.pattern + r"|\S*" + _NON_LATIN_LETTER_RE.pattern + r"\S*")
+_TOKEN_REST_RE = re.compile(r"\S*")
 
 _PHONE_RE = re.compile(r"(?<![\w+-])(?:\((\d{3})\)\s?|(\d{3})[-.])(\d{3})[-.](\d{4})(?![\w-])|(?<![\w-])(\d{3})-(\d{4})(?![\w-])")
 _ISO_DATE_RE = re.compile(r"(?<![\w-])(\d{4})-(\d{1,2})-(\d{1,2})(?![\w-])")
@@ -327,7 +346,7 @@ _CURRENCY_POST_RE = re.compile(
 _PERCENT_RE = re.compile(r"(?<![\w.,])(-?" + NUM + r")(?:" + _RANGE_SEP + r"(-?" + NUM + r"))?\s?%")
 _DECADE_FULL_RE = re.compile(r"(?<![\w'])(1\d|20)(\d)0s\b")
 _DECADE_SHORT_RE = re.compile(r"(?<![\w])['’]?([1-9])0s\b")
-_ORDINAL_RE = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(st|nd|rd|th)\b")
+_ORDINAL_RE = re.compile(r"(?<![\w.])(" + _NOT_MID_GROUP + r"\d{1,3}(?:,\d{3})+|\d+)(st|nd|rd|th)\b")
 _UNIT_ALT = "|".join(re.escape(u) for u in sorted(_UNITS, key=len, reverse=True))
 _UNIT_RE = re.compile(
     r"(?<![\w.,])(-?" + NUM + r")(?:" + _RANGE_SEP + r"(-?" + NUM + r"))?\s?(" + _UNIT_ALT + r")(?![\w²³/])"
@@ -336,7 +355,7 @@ _DIMENSION_RE = re.compile(r"(?<![\w.])(" + NUM + r")(?:x|×|\sx\s)(" + NUM + r"
 _RATIO_RE = re.compile(r"(?<![\w:.])(\d+):(\d+)(?![\w:]|[.,]\d)")
 _TIMES_RE = re.compile(r"(?<![\w.])(" + NUM + r")x(?!\w)")
 _UNICODE_FRACTIONS = {"½": (1, 2), "¼": (1, 4), "¾": (3, 4), "⅓": (1, 3), "⅔": (2, 3), "⅛": (1, 8), "⅜": (3, 8), "⅝": (5, 8), "⅞": (7, 8)}
-_UFRAC_RE = re.compile(r"(?:(\d+)\s?)?([" + "".join(_UNICODE_FRACTIONS) + r"])")
+_UFRAC_RE = re.compile(r"(?:(?<!\d)(\d+)\s?)?([" + "".join(_UNICODE_FRACTIONS) + r"])")
 _MIXED_FRAC_RE = re.compile(r"(?<![\w.,/])(\d+)\s+(\d+)/(\d+)(?![\w/])")
 _FRACTION_RE = re.compile(r"(?<![\w.,/])(\d+)/(\d+)(?![\w/]|[.,]\d)")
 _RANGE_RE = re.compile(r"(?<![\w.,-])(" + NUM + r")(?:-|\s?–\s?)(" + NUM + r")(?![\w]|[.,]\d|-\d)")
@@ -346,20 +365,34 @@ _YEAR_RE = re.compile(r"(?<![\w.,$€£¥-])(\d{4})(?![\w]|[.,]\d)")
 _DOTTED_RE = re.compile(r"(?<![\w.])\d+(?:\.\d+){2,}(?![\w]|\.\d)")
 _LETTER_DIGIT_RE = re.compile(r"(?<=[A-Za-z])-?(?=\d)|(?<=\d)(?=[A-Za-z])")
 _NUMBER_RE = re.compile(r"(?<![\w])" + NUM + r"(?![\w])")
-_EMAIL_RE = re.compile(r"\b([\w.+-]+)@([\w-]+(?:\.[\w-]+)+)\b")
+_EMAIL_RE = re.compile(r"\b([\w.+-]+)@([\w-]+(?:\.[\w-]+)+)\b")  # applied by _sub_emails
+_EMAIL_START_RE = re.compile(r"\b[\w.+-]")
+_EMAIL_RUN_RE = re.compile(r"[\w.+-]+")
 
 # Abbreviations: (pattern, replacement, keeps a sentence-final period).
 # ``replacement`` may be a function (match → str) for context-dependent ones.
 _CAP_NEXT = r"(?=\s+[A-Z])"
 
 
+_ASCII_ALNUM = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789")
+_NEXT_CAPITALIZED_RE = re.compile(r"\s+[A-Z]")
+
+
 def _prev_word_capitalized(m: re.Match) -> bool:
-    w = re.search(r"([A-Za-z0-9]+)\s*$", m.string[: m.start()])
-    return bool(w) and (w.group(1)[0].isupper() or w.group(1)[0].isdigit())
+    """The ``[A-Za-z0-9]`` run just before the match (past any whitespace) starts with a capital
+    or a digit. Walks back from the match rather than searching the whole text before it, which
+    took time quadratic in the text's length over all matches."""
+    s, i = m.string, m.start()
+    while i > 0 and s[i - 1].isspace():
+        i -= 1
+    j = i
+    while j > 0 and s[j - 1] in _ASCII_ALNUM:
+        j -= 1
+    return j < i and (s[j].isupper() or s[j].isdigit())
 
 
 def _next_word_capitalized(m: re.Match) -> bool:
-    return bool(re.match(r"\s+[A-Z]", m.string[m.end() :]))
+    return bool(_NEXT_CAPITALIZED_RE.match(m.string, m.end()))
 
 
 def _saint_or_street(m: re.Match) -> str:
@@ -680,11 +713,13 @@ def _sub_email(m: re.Match) -> str:
     return f"{user} at {dom}"
 
 
+_BLANK_TO_END_RE = re.compile(r"\s*\Z")
+
+
 def _sentence_end_after(m: re.Match) -> bool:
     """The abbreviation's period also ends the sentence (end of text, or a
     capitalised word follows)."""
-    rest = m.string[m.end() :]
-    return not rest.strip() or bool(re.match(r"\s+[A-Z]", rest))
+    return bool(_BLANK_TO_END_RE.match(m.string, m.end())) or _next_word_capitalized(m)
 
 
 def _sub_abbrev(pat: re.Pattern, repl, keep_period: bool, s: str) -> str:
@@ -698,21 +733,55 @@ def _sub_abbrev(pat: re.Pattern, repl, keep_period: bool, s: str) -> str:
     return pat.sub(f, s)
 
 
+def _sub_emails(s: str) -> str:
+    """``_EMAIL_RE.sub(_sub_email, s)`` in linear time.
+
+    The pattern alone rescans a long ``[\\w.+-]`` run (``1-1-1-…``, ``a.b.c.…``) from each word
+    boundary in it. But a match starting at a word boundary in such a run takes the rest of the
+    run, so it matches from there if and only if it matches from the run's first word boundary
+    that the search reaches: one try per run gives the same matches."""
+    if "@" not in s:
+        return s
+    out, last, pos = [], 0, 0
+    while (start := _EMAIL_START_RE.search(s, pos)) is not None:
+        m = _EMAIL_RE.match(s, start.start())
+        if m:
+            out += [s[last : m.start()], _sub_email(m)]
+            last = pos = m.end()
+        else:
+            pos = _EMAIL_RUN_RE.match(s, start.start()).end()
+    out.append(s[last:])
+    return "".join(out)
+
+
+# "\s*X\s*" rescans a long run of whitespace from each of its characters; a match starts at the
+# run's first character (or at X itself, right after an earlier match's trailing whitespace), so
+# "(?<!\s)\s*X\s*|X\s*" finds the same matches in linear time.
+def _spaced(sym: str) -> str:
+    return rf"(?<!\s)\s*{sym}\s*|{sym}\s*"
+
+
+# "\s*=\s*" (not after = < > !, not before = >) starts at a run's first whitespace, at its second
+# (after = < > !), or at the last one before "=" (after an earlier match that stopped short of "==").
+_EQUALS_RE = re.compile(r"(?<![=<>!])(?:(?<![\s=<>!])|(?<=[=<>!]\s)|(?=\s=))\s*=\s*(?![=>])")
+_PERCENT_SIGN_RE = re.compile(r"(?<!\s)\s*%")  # "\s*%"
+
+
 def _symbols(s: str) -> str:
-    s = _EMAIL_RE.sub(_sub_email, s)
+    s = _sub_emails(s)
     s = re.sub(r"\b([CF])#(?!\w)", r"\1 sharp", s)
     s = re.sub(r"#\s?(?=\d)", " number ", s)
     s = re.sub(r"#(?=[A-Za-z])", " hashtag ", s)
-    s = re.sub(r"\s*&\s*", " and ", s)
-    s = re.sub(r"\s*±\s*", " plus or minus ", s)
-    s = re.sub(r"\s*\+\s*", " plus ", s)
-    s = re.sub(r"(?<![=<>!])\s*=\s*(?![=>])", " equals ", s)
-    s = re.sub(r"\s*@\s*", " at ", s)
-    s = re.sub(r"\s*×\s*", " times ", s)
-    s = re.sub(r"\s*÷\s*", " divided by ", s)
+    s = re.sub(_spaced("&"), " and ", s)
+    s = re.sub(_spaced("±"), " plus or minus ", s)
+    s = re.sub(_spaced(r"\+"), " plus ", s)
+    s = _EQUALS_RE.sub(" equals ", s)
+    s = re.sub(_spaced("@"), " at ", s)
+    s = re.sub(_spaced("×"), " times ", s)
+    s = re.sub(_spaced("÷"), " divided by ", s)
     s = re.sub(r"~\s?(?=\d)", "about ", s)
-    s = re.sub(r"\s*≈\s*", " approximately ", s)
-    s = re.sub(r"\s*%", " percent", s)
+    s = re.sub(_spaced("≈"), " approximately ", s)
+    s = _PERCENT_SIGN_RE.sub(" percent", s)
     return s
 
 
@@ -775,18 +844,23 @@ _PLAIN_INT_RE = re.compile(r"(?<![\d.,:/\w-])(-)?(\d+)(?![\d]|[.,:/]\d)")
 _PLAIN_INT_ANY_RE = re.compile(r"(?<![\d.,:/-])(-)?(\d+)(?![\d]|[.,:/]\d)")
 
 
-def _normalize_num2words_segment(s: str, lang: str) -> str:
-    n2w = _n2w()
+@lru_cache(maxsize=4096)
+def _spelled(n: int, lang: str) -> str | None:
+    """``num2words(n, lang=lang)``, cached (as :func:`cardinal`); None where it fails."""
+    try:
+        return _n2w()(n, lang=lang)
+    except Exception:  # a converter without negatives etc.
+        return None
 
+
+def _normalize_num2words_segment(s: str, lang: str) -> str:
     def f(m: re.Match) -> str:
         tok = m.group(2)
         if len(tok) > 15 or (len(tok) > 1 and tok[0] == "0"):
             return m.group(0)
         n = int(tok) * (-1 if m.group(1) else 1)
-        try:
-            return n2w(n, lang=lang)
-        except Exception:  # a converter without negatives etc.
-            return m.group(0)
+        spelled = _spelled(n, lang)
+        return m.group(0) if spelled is None else spelled
 
     # CJK-style languages write numbers glued to words; others separate them.
     pat = _PLAIN_INT_ANY_RE if lang in ("ja", "ko", "th") else _PLAIN_INT_RE
@@ -853,11 +927,14 @@ def _zh_number(tok: str) -> str:
 
 
 _ZH_NUM = r"-?\d+(?:,\d{3})*(?:\.\d+)?"
+# Linear time (see NUM): the scan of a digit run starts at its first digit only, and not at an
+# inner group of a "1,234,567" chain.
+_ZH_PERCENT_RE = re.compile(r"(-?(?<!\d)" + _NOT_MID_GROUP + _ZH_NUM.removeprefix("-?") + r")\s?%")
 
 
 def _normalize_zh_segment(s: str) -> str:
     s = re.sub(r"(?<![\d.])(\d{4})(?=年)", lambda m: "".join(_ZH_DIGITS[int(c)] for c in m.group(1)), s)
-    s = re.sub(r"(" + _ZH_NUM + r")\s?%", lambda m: "百分之" + _zh_number(m.group(1)), s)
+    s = _ZH_PERCENT_RE.sub(lambda m: "百分之" + _zh_number(m.group(1)), s)
     s = re.sub(r"(?<![\d.])2(?=[" + _ZH_MEASURE + r"])", "两", s)
     s = re.sub(r"(?<![\d.])" + _ZH_NUM + r"(?![\d])", lambda m: _zh_number(m.group(0)), s)
     return s
@@ -896,15 +973,49 @@ def _supported_languages() -> set[str]:
 SUPPORTED_LANGUAGES = _supported_languages()
 
 
+def _protected_spans(text: str) -> list[tuple[int, int]]:
+    """The spans of ``_PROTECT_RE.finditer(text)``, in linear time.
+
+    At each position the pattern tries a tag first, then "a whitespace-free stretch from here
+    holding a non-Latin letter, to the token's end"; the latter first holds at the start of the
+    token holding the next such letter, or where the search stands if that is inside the token
+    (right after a tag)."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    tag = _TAG_RE.search(text)
+    letter = _NON_LATIN_LETTER_RE.search(text)
+    token_start = -1  # where that letter's token starts (or a point at most pos before it)
+    while True:
+        if tag is not None and tag.start() < pos:
+            tag = _TAG_RE.search(text, pos)
+        if letter is not None and letter.start() < pos:
+            letter = _NON_LATIN_LETTER_RE.search(text, pos)
+            token_start = -1
+        if letter is not None:
+            if token_start < 0:
+                token_start = letter.start()
+                while token_start > pos and not text[token_start - 1].isspace():
+                    token_start -= 1
+            start = max(pos, token_start)
+            if tag is None or tag.start() > start:
+                pos = _TOKEN_REST_RE.match(text, letter.start()).end()
+                spans.append((start, pos))
+                continue
+        if tag is None:
+            return spans
+        spans.append(tag.span())
+        pos = tag.end()
+
+
 def _split_protected(text: str, english: bool):
     """Yield ``(segment, protected)`` pieces in order."""
-    pat = _PROTECT_RE if english else re.compile(r"<\|[^|<>\n]*\|>|\[[^\[\]\n]*\]")
+    spans = _protected_spans(text) if english else [m.span() for m in _TAG_RE.finditer(text)]
     pos = 0
-    for m in pat.finditer(text):
-        if m.start() > pos:
-            yield text[pos : m.start()], False
-        yield m.group(0), True
-        pos = m.end()
+    for start, end in spans:
+        if start > pos:
+            yield text[pos:start], False
+        yield text[start:end], True
+        pos = end
     if pos < len(text):
         yield text[pos:], False
 
