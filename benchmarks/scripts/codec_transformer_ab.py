@@ -94,6 +94,11 @@ def main() -> None:
             print(r, tag, f"transformer {cell['transformer_64x32_ms']:.3f} ms (diff {cell['max_abs_diff_vs_kv']:.3g})",
                   f"64x32 {cell['64x32']['call_ms']:.2f} ms {cell['64x32']['audio_s_per_s']:.0f} audio s/s",
                   f"64x8 {cell['64x8']['call_ms']:.2f} ms 1x8 {cell['1x8']['call_ms']:.2f} ms", flush=True)
+            save(res, row)  # after every cell: a run cut short keeps what it measured
+
+
+def save(res: dict, row: dict) -> None:
+    if not res["rounds"] or res["rounds"][-1] is not row:
         res["rounds"].append(row)
     d = os.environ.get("OUT", ".")
     os.makedirs(d, exist_ok=True)
