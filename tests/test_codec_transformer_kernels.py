@@ -15,7 +15,8 @@ if __name__ != "__main__":
     from interpreter_worker import assert_case, run_worker
 
 from shoal.codec.config import TransformerConfig
-from shoal.codec.layers import LayerScale, RMSNorm, StreamState, WindowLimitedTransformer, apply_rotary_emb, rope_table
+from shoal.codec.layers import (IndexedState, LayerScale, RMSNorm, StreamState, WindowLimitedTransformer,
+                                apply_rotary_emb, rope_table)
 from shoal.kernels import codec_rope
 from shoal.kernels.fused import add_rmsnorm
 
@@ -36,19 +37,32 @@ def _transformer(dt: torch.dtype, seed: int = 0, cfg: TransformerConfig = SMALL,
 
 
 def _stream(tr: WindowLimitedTransformer, schedule: list[int], seed: int, kernels: bool, ws: str,
-            device="cpu") -> tuple[torch.Tensor, StreamState]:
+            device="cpu", pooled: bool = False) -> tuple[torch.Tensor, StreamState]:
+    """Three streams through ``schedule``; ``pooled``: their state is rows 3, 0, 4 of a pool of
+    six (an IndexedState, as the serving decoder's slot pool), the other rows NaN."""
     tr.window_state, tr.kernels = ws, kernels
     dt = tr.norm.weight.dtype
     B = 3
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, tr.cfg.dim, sum(schedule), generator=g).to(device=device, dtype=dt)
-    state = StreamState(tr.init_stream_state(B, device, dt))
+    if pooled:
+        init = tr.init_stream_state(6, device, dt)
+        index = torch.tensor([3, 0, 4], device=device)
+        for v in init.values():
+            if v.is_floating_point():
+                v[[1, 2, 5]] = float("nan")
+        pool = StreamState(init)
+        state = IndexedState(pool, index)
+    else:
+        state = StreamState(tr.init_stream_state(B, device, dt))
     outs, a = [], 0
     with torch.no_grad():
         for t in schedule:
             outs.append(tr(x[:, :, a:a + t], state))
+            if pooled:
+                pool.bounds.update(state.bounds)
             a += t
-    return torch.cat(outs, dim=2), state
+    return torch.cat(outs, dim=2), (pool if pooled else state)
 
 
 def _rope_case(dt: torch.dtype, clamp: bool) -> dict:
@@ -84,23 +98,28 @@ def _norm_case(dt: torch.dtype) -> dict:
             "flags": {"h_bits": torch.equal(h, h_mod)}}
 
 
-def _stream_case(dt: torch.dtype, ws: str, schedule: list[int]) -> dict:
+def _stream_case(dt: torch.dtype, ws: str, schedule: list[int], pooled: bool = False) -> dict:
     tr = _transformer(dt)
-    want, s_want = _stream(tr, schedule, 7, False, ws)
+    want, s_want = _stream(tr, schedule, 7, False, ws, pooled=pooled)
     calls = []
     kernel = codec_rope.rope_qkv_triton
     codec_rope.rope_qkv_triton = lambda *a, **k: calls.append(1) or kernel(*a, **k)
     try:
-        got, s_got = _stream(tr, schedule, 7, True, ws)
+        got, s_got = _stream(tr, schedule, 7, True, ws, pooled=pooled)
     finally:
         codec_rope.rope_qkv_triton = kernel
     scale = want.float().abs().max().item()
     tol = (2.0 ** -7 if dt == torch.bfloat16 else 1e-5) * scale
-    state_diff = max((s_got.tensors[k].float() - s_want.tensors[k].float()).abs().max().item() for k in s_want.tensors)
-    kv_scale = max(v.float().abs().max().item() for v in s_want.tensors.values())
+    rows = [3, 0, 4] if pooled else slice(None)  # the other pool rows must stay NaN
+    state_diff = max((s_got.tensors[k][rows].float() - s_want.tensors[k][rows].float()).abs().max().item()
+                     for k in s_want.tensors)
+    kv_scale = max(v[rows].float().abs().max().item() for v in s_want.tensors.values())
+    untouched = (not pooled) or all(bool(torch.isnan(v[[1, 2, 5]]).all()) for v in s_got.tensors.values()
+                                    if v.is_floating_point())
     return {"checks": {"out": ((got.float() - want.float()).abs().max().item(), tol),
                        "state": (state_diff, (2.0 ** -7 if dt == torch.bfloat16 else 1e-5) * kv_scale)},
             "flags": {"kernels_ran": len(calls) == len(schedule) * tr.cfg.n_layer,
+                      "other_pool_rows_untouched": untouched,
                       "w1_w3_views": tr.layers[0].feed_forward.w1.weight.data_ptr()
                       == tr.layers[0].feed_forward.stacked_w13().data_ptr()}}
 
@@ -114,6 +133,9 @@ CASES = {
     "stream_kv_fp32": lambda: _stream_case(torch.float32, "kv", [3, 9, 2, 5]),
     "stream_ring_fp32": lambda: _stream_case(torch.float32, "ring", [3, 9, 2, 5]),
     "stream_ring_bf16": lambda: _stream_case(torch.bfloat16, "ring", [1, 4, 11]),
+    # the serving decoder's slot pool: rows gathered / written in place (IndexedState)
+    "stream_kv_fp32_pooled": lambda: _stream_case(torch.float32, "kv", [5, 4], pooled=True),
+    "stream_ring_bf16_pooled": lambda: _stream_case(torch.bfloat16, "ring", [2, 9], pooled=True),
 }
 
 if __name__ == "__main__":  # child process: TRITON_INTERPRET=1
