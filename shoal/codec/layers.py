@@ -943,8 +943,7 @@ class WindowLimitedTransformer(StreamingModule):
         if self.window_state == "ring":
             return self._forward_ring(x, state, cos_sin, pos, bound)
         hidden = self.window_state == "hidden"
-        k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
-        mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
+        k_pos, mask = self._window_keys(pos, q_pos)
         if hidden:  # the window's keys are rotated again: negative (masked) positions read row 0
             k_cs = table[k_pos.clamp(min=0, max=table.shape[0] - 1)]  # [B, P + t, D/2, 2]
         for i, layer in enumerate(self.layers):
@@ -954,35 +953,58 @@ class WindowLimitedTransformer(StreamingModule):
                 hh = torch.cat([state[hk].to(hn.dtype), hn], dim=1)  # [B, P + t, C]
                 state.store(hk, hh[:, hh.shape[1] - P:])
                 q, k, v = layer.attention.qkv_window(hn, hh, cos_sin, k_cs)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             else:
                 q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
-                kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
-                k = torch.cat([state[kk].to(k.dtype), k], dim=2)
-                v = torch.cat([state[vk].to(v.dtype), v], dim=2)
-                state.store(kk, k[:, :, k.shape[2] - P:])
-                state.store(vk, v[:, :, v.shape[2] - P:])
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                y = self._attend_kv(i, q, k, v, state, mask)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
         state.store(f"{key}.pos", pos + t)
         state.bounds[key] = bound
         return x
 
+    def _window_keys(self, pos: Tensor, q_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The ``kv`` window's key positions [B, P + t] (carried, then new) and the attention
+        mask [B, 1, t, P + t] of queries at ``q_pos`` [B, t]."""
+        P = self.window - 1
+        k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=pos.device), q_pos], dim=1)
+        return k_pos, window_mask(q_pos, k_pos, self.window)[:, None]
+
+    def _attend_kv(self, i: int, q: Tensor, k: Tensor, v: Tensor, state: StreamState, mask: Tensor) -> Tensor:
+        """Layer ``i``'s attention with the ``kv`` state: the new keys / values after the carried
+        window, whose last window−1 become the new state."""
+        P, key = self.window - 1, self.state_key
+        kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
+        k = torch.cat([state[kk].to(k.dtype), k], dim=2)
+        v = torch.cat([state[vk].to(v.dtype), v], dim=2)
+        state.store(kk, k[:, :, k.shape[2] - P:])
+        state.store(vk, v[:, :, v.shape[2] - P:])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def _attend_ring(self, i: int, q: Tensor, k: Tensor, v: Tensor, state: StreamState, pos: Tensor,
+                     slots: Tensor) -> Tensor:
+        """Layer ``i``'s attention with the ``ring`` state: over the ring in place, then the new
+        positions' ``slots`` (``ring_slots``) written."""
+        from ..kernels.window_attention import ring_write, window_attention
+
+        kbuf, rows = state.rows(f"{self.state_key}.layers.{i}.k")
+        vbuf, _ = state.rows(f"{self.state_key}.layers.{i}.v")
+        y = window_attention(q, kbuf, vbuf, k, v, pos, self.window, rows)
+        ring_write(kbuf, k, slots, rows)  # after the attention read the ring (stream order)
+        ring_write(vbuf, v, slots, rows)
+        return y
+
     def _forward_ring(self, x: Tensor, state: StreamState, cos_sin: Tensor, pos: Tensor, bound: int) -> Tensor:
         """The ``ring`` window: each layer attends over its ring of carried keys and the new
         ones in place, then writes the new positions' slots (see the class docstring)."""
-        from ..kernels.window_attention import ring_slots, ring_write, window_attention
+        from ..kernels.window_attention import ring_slots
 
         key = self.state_key
         t = x.shape[1]
         slots = ring_slots(pos, t, self.window - 1)  # every layer writes the same slots
         for i, layer in enumerate(self.layers):
             q, k, v = layer.attention.qkv(layer.attention_norm(x), cos_sin)
-            kbuf, rows = state.rows(f"{key}.layers.{i}.k")
-            vbuf, _ = state.rows(f"{key}.layers.{i}.v")
-            y = window_attention(q, kbuf, vbuf, k, v, pos, self.window, rows)
-            ring_write(kbuf, k, slots, rows)  # after the attention read the ring (stream order)
-            ring_write(vbuf, v, slots, rows)
+            y = self._attend_ring(i, q, k, v, state, pos, slots)
             h = x + layer.attention_layer_scale(layer.attention.out(y))
             x = layer.ffn(h)
         state.store(f"{key}.pos", pos + t)
@@ -997,40 +1019,27 @@ class WindowLimitedTransformer(StreamingModule):
         from ..kernels.fused import add_rmsnorm, silu_mul
 
         key = self.state_key
-        B, t, _ = x.shape
-        dev = x.device
-        P = self.window - 1
-        H, D = self.cfg.n_head, self.cfg.head_dim
+        t = x.shape[1]
         pos = state[f"{key}.pos"]  # [B]
         bound = state.bounds.get(key, 0) + t
-        table = rope if rope is not None else self._rope(bound, dev)
+        table = rope if rope is not None else self._rope(bound, x.device)
         ring = self.window_state == "ring"
         if ring:
-            from ..kernels.window_attention import ring_slots, ring_write, window_attention
+            from ..kernels.window_attention import ring_slots
 
-            slots = ring_slots(pos, t, P)
+            slots = ring_slots(pos, t, self.window - 1)
         else:
-            q_pos = pos[:, None] + torch.arange(t, device=dev)
-            k_pos = torch.cat([pos[:, None] - P + torch.arange(P, device=dev), q_pos], dim=1)
-            mask = window_mask(q_pos, k_pos, self.window)[:, None]  # [B, 1, t, P + t]
+            _, mask = self._window_keys(pos, pos[:, None] + torch.arange(t, device=x.device))
         layers = list(self.layers)
         n, h = add_rmsnorm(x.contiguous(), None, layers[0].attention_norm.weight, layers[0].attention_norm.eps)
         for i, layer in enumerate(layers):
             att = layer.attention
-            q, k, v = rope_qkv(F.linear(n, att.wqkv.weight), table, pos, H, D, clamp=rope is not None)
+            q, k, v = rope_qkv(F.linear(n, att.wqkv.weight), table, pos, self.cfg.n_head, self.cfg.head_dim,
+                               clamp=rope is not None)
             if ring:
-                kbuf, rows = state.rows(f"{key}.layers.{i}.k")
-                vbuf, _ = state.rows(f"{key}.layers.{i}.v")
-                y = window_attention(q, kbuf, vbuf, k, v, pos, self.window, rows)
-                ring_write(kbuf, k, slots, rows)  # after the attention read the ring (stream order)
-                ring_write(vbuf, v, slots, rows)
+                y = self._attend_ring(i, q, k, v, state, pos, slots)
             else:
-                kk, vk = f"{key}.layers.{i}.k", f"{key}.layers.{i}.v"
-                k = torch.cat([state[kk].to(k.dtype), k], dim=2)
-                v = torch.cat([state[vk].to(v.dtype), v], dim=2)
-                state.store(kk, k[:, :, k.shape[2] - P:])
-                state.store(vk, v[:, :, v.shape[2] - P:])
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                y = self._attend_kv(i, q, k, v, state, mask)
             n, h = add_rmsnorm(h, att.out(y), layer.ffn_norm.weight, layer.ffn_norm.eps,
                                residual_scale=layer.attention_layer_scale.gamma)
             ff = layer.feed_forward

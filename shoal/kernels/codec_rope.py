@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .fused import _DT_CODE, _launch_opts, _next_pow2, _require_kernel, use_triton
+from .fused import _DT_CODE, _apply_rope_ref, _launch_opts, _next_pow2, _require_kernel, use_triton
 from .paged_attention import HAS_TRITON, tl, triton
 
 __all__ = ["rope_qkv", "rope_qkv_ref", "rope_qkv_triton"]
@@ -40,15 +40,12 @@ def rope_qkv_ref(qkv: Tensor, table: Tensor, pos: Tensor, n_head: int, head_dim:
     """PyTorch form (``Attention.qkv`` after its ``wqkv``): ``(q, k, v)`` ``[B, H, t, D]``."""
     B, t, _ = qkv.shape
     q, k, v = qkv.view(B, t, 3, n_head, head_dim).unbind(2)
-    cs = table[_positions(pos, t, table.shape[0], clamp)][:, :, None]  # [B, t, 1, D/2, 2]
+    cs = table[_positions(pos, t, table.shape[0], clamp)].reshape(B * t, head_dim // 2, 2)
 
-    def rot(x: Tensor) -> Tensor:
-        xs = x.float().reshape(*x.shape[:-1], -1, 2)
-        out = torch.stack([xs[..., 0] * cs[..., 0] - xs[..., 1] * cs[..., 1],
-                           xs[..., 1] * cs[..., 0] + xs[..., 0] * cs[..., 1]], dim=-1)
-        return out.flatten(3).type_as(x)
+    def rot(x: Tensor) -> Tensor:  # the same fp32 arithmetic as the LLM's RoPE reference
+        return _apply_rope_ref(x.reshape(B * t, n_head, head_dim), cs).view(B, t, n_head, head_dim).transpose(1, 2)
 
-    return rot(q).transpose(1, 2), rot(k).transpose(1, 2), v.transpose(1, 2)
+    return rot(q), rot(k), v.transpose(1, 2)
 
 
 if HAS_TRITON:
