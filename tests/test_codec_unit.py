@@ -106,10 +106,11 @@ def _no_out_case() -> dict:
 
 def _decoder_case() -> dict:
     """The tiny codec in the ``unit`` mode: every unit ran as one kernel, and one-shot and
-    streaming decodes equal the module path's (F.conv1d; the ``k1`` mode's own decodes are
+    streaming decodes (the latter with ``tconv_snake``) equal the module path's (F.conv1d; the ``k1`` mode's own decodes are
     checked against it and the golden waveforms in test_codec_conv.py)."""
     from shoal.bench.codec import build_codec, random_codes
     from shoal.codec import model as codec_model
+    from shoal.codec.layers import CausalConvTranspose1d
     from shoal.codec.streaming import StreamingDecoder
 
     codec = build_codec(True, torch.device("cpu"))
@@ -117,20 +118,29 @@ def _decoder_case() -> dict:
     ref = codec.decode(codes)  # the module path
     calls = []
     real = codec_model.residual_unit_triton
+    real_entry = CausalConvTranspose1d.gemm_forward_snake
     codec_model.residual_unit_triton = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue="unit")
         oneshot = codec.decode(codes)
+        # the streamed decode with each block's bias + first Snake in its transposed conv's
+        # GEMM epilogue (tconv_snake): the same function
+        entries = []
+        CausalConvTranspose1d.gemm_forward_snake = lambda *a, **k: (entries.append(1), real_entry(*a, **k))[1]
+        codec.configure_serving(tconv_snake=True)
         dec = StreamingDecoder(codec)
         st = dec.new_state(2)
         streamed = torch.cat([dec.decode_chunk(codes[:, :, i:i + 1], st) for i in range(2)], -1)
     finally:
         codec_model.residual_unit_triton = real
+        CausalConvTranspose1d.gemm_forward_snake = real_entry
     units = sum(1 for m in codec.decoder.modules() if type(m).__name__ == "ResidualUnit")
+    blocks = len(list(codec.decoder.model)[1:-3])  # two streamed chunks, each block's entry once each
     return {"checks": {"oneshot_vs_module": ((oneshot - ref).abs().max().item(), 1e-5),
                        "stream_vs_module": ((streamed - ref[..., : streamed.shape[-1]]).abs().max().item(), 1e-4)},
             # one-shot + two streamed chunks, every unit once each
-            "flags": {"every_unit_one_kernel": len(calls) == 3 * units and units > 0}}
+            "flags": {"every_unit_one_kernel": len(calls) == 3 * units and units > 0,
+                      "tconv_snake_entries": len(entries) == 2 * blocks and blocks > 0}}
 
 
 def _ran_with(v_tma: bool, k1_early: bool) -> bool:
@@ -179,6 +189,29 @@ def test_split_tiles():
         bn, bn2 = cu._split(c)
         assert bn + bn2 >= c and bn & (bn - 1) == 0 and (bn2 == 0 or bn2 & (bn2 - 1) == 0)
         assert cu.unit_config(c)[1] + cu.unit_config(c)[7] >= c
+
+
+def test_tconv_snake_switch(monkeypatch):
+    """``SHOAL_CODEC_TCONV_SNAKE`` reaches the decoder through the serving layout; bad values
+    are refused; unset leaves the codec's own setting."""
+    from shoal.bench.codec import build_codec
+    from shoal.codec.streaming import configure_serving_layout, tconv_snake_default
+
+    codec = build_codec(True, torch.device("cpu"))
+    assert codec.decoder.tconv_snake is False
+    monkeypatch.setenv("SHOAL_CODEC_TCONV_SNAKE", "1")
+    assert tconv_snake_default() is True
+    configure_serving_layout(codec)
+    assert codec.decoder.tconv_snake is True
+    monkeypatch.delenv("SHOAL_CODEC_TCONV_SNAKE")
+    configure_serving_layout(codec)
+    assert codec.decoder.tconv_snake is True  # unset: unchanged
+    monkeypatch.setenv("SHOAL_CODEC_TCONV_SNAKE", "0")
+    configure_serving_layout(codec)
+    assert codec.decoder.tconv_snake is False
+    monkeypatch.setenv("SHOAL_CODEC_TCONV_SNAKE", "sometimes")
+    with pytest.raises(ValueError, match="SHOAL_CODEC_TCONV_SNAKE"):
+        tconv_snake_default()
 
 
 def test_rejects_bad_shapes():
@@ -281,8 +314,8 @@ def test_gpu_fused_k1_conv_equals_k1_path(C, d, B, L):
 
 @gpu
 def test_gpu_graphed_unit_decoder_equals_k1():
-    """The real-size serving decoder in the ``unit`` mode (graphs, row groups) gives the
-    ``k1`` mode's audio."""
+    """The real-size serving decoder in the ``unit`` mode (graphs, row groups), also with
+    ``SHOAL_CODEC_TCONV_SNAKE=1``, gives the ``k1`` mode's audio."""
     from unittest import mock
 
     from shoal.bench.codec import build_codec, random_codes
@@ -291,13 +324,16 @@ def test_gpu_graphed_unit_decoder_equals_k1():
     codec = build_codec(False, torch.device("cuda")).to(torch.bfloat16)
     codes = random_codes(4, 24, "cuda", seed=9)
     outs = {}
-    for mode in ("k1", "unit"):
-        with mock.patch.dict(os.environ, {"SHOAL_CODEC_CONV_EPILOGUE": mode}):
+    for mode, tconv in (("k1", "0"), ("unit", "0"), ("unit", "1")):
+        env = {"SHOAL_CODEC_CONV_EPILOGUE": mode, "SHOAL_CODEC_TCONV_SNAKE": tconv}
+        with mock.patch.dict(os.environ, env):
             dec = serving_decoder(codec, max_batch=4)
+            assert codec.decoder.tconv_snake == (tconv == "1")
             st = dec.new_state(4)
-            outs[mode] = torch.cat([dec.decode_chunk(codes[:, :, i:i + 8], st) for i in (0, 8, 16)], -1)
-    diff = (outs["unit"].float() - outs["k1"].float()).abs().max().item()
-    assert torch.equal(outs["unit"], outs["k1"]), diff
+            outs[mode, tconv] = torch.cat([dec.decode_chunk(codes[:, :, i:i + 8], st) for i in (0, 8, 16)], -1)
+    for key in (("unit", "0"), ("unit", "1")):  # the unit kernels, then also the GEMM-epilogue entry Snakes
+        diff = (outs[key].float() - outs["k1", "0"].float()).abs().max().item()
+        assert torch.equal(outs[key], outs["k1", "0"]), (key, diff)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""The codec transformer's window state and fused kernels, A/B on the GPU.
+"""The codec transformer's window state and fused kernels (and the decoder blocks' entry
+Snake in the transposed convs' epilogues), A/B on the GPU.
 
     OUT=DIR python benchmarks/scripts/codec_transformer_ab.py [ROUNDS]
 
 Builds the real-size codec once (random weights, bf16 decode side) and, for each configuration
-(window state ``kv`` / ``ring`` x transformer kernels off / on), in ``ROUNDS`` interleaved rounds:
+(window state ``kv`` / ``ring`` x transformer kernels off / on, and ``tconv_snake`` on with
+``kv`` and with ``ring`` + kernels), in ``ROUNDS`` interleaved rounds:
 
 * the post-quantizer transformer alone: one streaming call of 64 streams x 32 frames captured
   in a CUDA graph, replay time (median of 30), and its output against the ``kv`` modules' on
@@ -26,7 +28,9 @@ from shoal.bench.kernels_attention import time_graph
 from shoal.codec.layers import StreamState, rope_table
 from shoal.codec.streaming import serving_decoder
 
-CONFIGS = [("kv", False), ("ring", False), ("kv", True), ("ring", True)]
+# (window state, transformer kernels, tconv_snake)
+CONFIGS = [("kv", False, False), ("ring", False, False), ("kv", True, False), ("ring", True, False),
+           ("kv", False, True), ("ring", True, True)]
 
 
 def transformer_call(codec, ws: str, kernels: bool, x: torch.Tensor, rope: torch.Tensor) -> dict:
@@ -56,15 +60,15 @@ def main() -> None:
     for r in range(rounds):
         row = {}
         base = None
-        for ws, kern in CONFIGS:
-            tag = f"{ws}{'+kernels' if kern else ''}"
+        for ws, kern, tsn in CONFIGS:
+            tag = f"{ws}{'+kernels' if kern else ''}{'+tconv' if tsn else ''}"
             t = transformer_call(codec, ws, kern, x, rope)
             if base is None:
                 base = t["out"]
             cell = {"transformer_64x32_ms": t["replay_ms"],
                     "max_abs_diff_vs_kv": (t["out"].float() - base.float()).abs().max().item(),
                     "out_max_abs": base.float().abs().max().item()}
-            codec.configure_serving(window_state=ws, transformer_kernels=kern)
+            codec.configure_serving(window_state=ws, transformer_kernels=kern, tconv_snake=tsn)
             dec = serving_decoder(codec, max_batch=64)
             for b, f in [(64, 32), (64, 8), (1, 8)]:
                 cell[f"{b}x{f}"] = time_stream(dec, codec, b, f, 10, 3, dev)

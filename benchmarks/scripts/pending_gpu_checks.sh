@@ -4,9 +4,11 @@
 # benchmarks/scripts/pending_gpu_checks.sh", carry=[".whl"])). In order of priority; each
 # step is time-boxed and its results are kept in $OUT as soon as it ends, so a call cut short
 # keeps what it measured:
-#   1. GPU tests of the opt-in codec paths: the ring window (window_attention) and the fused
-#      transformer kernels (codec_rope, add_rmsnorm's LayerScale), real codec sizes;
-#   2. the codec A/B: window state kv / ring x transformer kernels off / on
+#   1. GPU tests of the opt-in codec paths: the ring window (window_attention), the fused
+#      transformer kernels (codec_rope, add_rmsnorm's LayerScale), real codec sizes, and the
+#      graphed unit-mode decoder with the transposed convs' Snake epilogues;
+#   2. the codec A/B: window state kv / ring x transformer kernels off / on, and the blocks'
+#      entry Snakes in the transposed convs' epilogues (SHOAL_CODEC_TCONV_SNAKE)
 #      (benchmarks/scripts/codec_transformer_ab.py, two interleaved rounds);
 #   3. on an H200 only (the issues' targets are H200 figures): the bf16 engine at c=1 and 64,
 #      then FP8 weights + FP8 KV cache, as
@@ -26,9 +28,10 @@ engine() {  # engine TIMEOUT TAG [ARGS...]
         --out "/tmp/r/$2" "${@:3}" 2>&1 | grep -E "c=|Error|error" | tail -6
     keep
 }
-timeout 100 python -m pytest -q -x tests/test_window_attention.py tests/test_codec_transformer_kernels.py -k gpu 2>&1 | tail -4
+timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
+    tests/test_codec_unit.py::test_gpu_graphed_unit_decoder_equals_k1 -k gpu 2>&1 | tail -6
 echo "[t=$SECONDS]"
-OUT=$OUT timeout 240 python benchmarks/scripts/codec_transformer_ab.py 2 2>&1 | grep -v Warn | tail -10
+OUT=$OUT timeout 270 python benchmarks/scripts/codec_transformer_ab.py 2 2>&1 | grep -v Warn | tail -10
 echo "[t=$SECONDS]"
 if [[ "$GPU" == *H200* ]]; then
     engine 150 eng-bf16

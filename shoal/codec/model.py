@@ -99,6 +99,10 @@ class Decoder(StreamingModule):
         # residual unit of at most 192 channels one kernel where verified, see
         # shoal.kernels.codec_unit.unit_supported; the rest as "k1")
         self.snake_epilogue: bool | str = False
+        # with any Snake epilogue mode: each block's bias + first Snake in its transposed-conv
+        # GEMM's epilogue, as "fused" does (configure_serving(tconv_snake=True)), so the
+        # bias-free GEMM output is never stored and no Snake pass reads it back
+        self.tconv_snake = False
         # row groups (Codec.configure_serving(group_positions=N)): the blocks after the first
         # run over groups of streams holding at most N decoder-input positions (streams x 4 x
         # frames) at a time, so a call's activation peak -- and the memory a CUDA graph of it
@@ -203,7 +207,7 @@ class Decoder(StreamingModule):
             ct.save_context(buf, state)
             c7 = units[0][1]
             fused = self.snake_epilogue == "fused"
-            if fused:  # bias and Snake in the GEMM's epilogue
+            if fused or self.tconv_snake:  # bias and Snake in the GEMM's epilogue
                 n = (buf.shape[-1] - 1) * ct.stride
                 h = self._act(buf, (buf.shape[0], ct.conv.out_channels, n))
                 cbuf = c7._buffer(h, c7.padding + n)
@@ -601,7 +605,8 @@ class Codec(nn.Module):
                           triton_conv: bool | None = None, snake_epilogue: bool | str | None = None,
                           group_positions: int | None | bool = False,
                           window_state: str | None = None, group_head_blocks: int | None = None,
-                          transformer_kernels: bool | None = None) -> "Codec":
+                          transformer_kernels: bool | None = None,
+                          tconv_snake: bool | None = None) -> "Codec":
         """Decode-path execution options (numerically equivalent; chosen by measurement).
 
         ``fused`` (default on): the decoder's fused Snake / residual path (``Decoder._forward_fused``);
@@ -631,7 +636,13 @@ class Codec(nn.Module):
         ``transformer_kernels``: the codec transformer's streaming calls run their norms,
         LayerScale residual adds, RoPE and SwiGLU as fused Triton kernels (CUDA or the
         interpreter; ``WindowLimitedTransformer._forward_stream_kernels``), w1 and w3 as one GEMM.
+        ``tconv_snake`` (with ``triton_conv`` and a Snake epilogue mode): each block's transposed
+        conv adds its bias and computes the first unit's Snake in its GEMM epilogue (what
+        ``"fused"`` does there), writing the residual stream and the Snake'd conv input directly;
+        the same bits as the separate Snake kernel.
         """
+        if tconv_snake is not None:
+            self.decoder.tconv_snake = bool(tconv_snake)
         if transformer_kernels is not None:
             self.quantizer.post_module.kernels = bool(transformer_kernels)
         if group_head_blocks is not None:

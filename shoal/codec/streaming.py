@@ -576,11 +576,23 @@ def transformer_kernels_default() -> bool | None:
     """``SHOAL_CODEC_TRANSFORMER_KERNELS``: ``1`` runs the codec transformer's streaming calls
     through the fused kernels (``Codec.configure_serving(transformer_kernels=True)``), ``0`` through
     the modules; None when unset (the codec's own setting stays: off until set)."""
-    v = os.environ.get("SHOAL_CODEC_TRANSFORMER_KERNELS", "").strip().lower()
+    return _env_flag("SHOAL_CODEC_TRANSFORMER_KERNELS")
+
+
+def tconv_snake_default() -> bool | None:
+    """``SHOAL_CODEC_TCONV_SNAKE``: ``1`` computes each decoder block's bias + first Snake in
+    its transposed conv's GEMM epilogue (``Codec.configure_serving(tconv_snake=True)``; the
+    ``fused`` mode's entry, here with the ``unit`` / ``k1`` modes), ``0`` in the separate Snake
+    kernel; None when unset (the codec's own setting stays: off until set)."""
+    return _env_flag("SHOAL_CODEC_TCONV_SNAKE")
+
+
+def _env_flag(name: str) -> bool | None:
+    v = os.environ.get(name, "").strip().lower()
     if not v:
         return None
     if v not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
-        raise ValueError(f"SHOAL_CODEC_TRANSFORMER_KERNELS must be 0 or 1, got {v!r}")
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
     return v in ("1", "true", "on", "yes")
 
 
@@ -598,6 +610,9 @@ def configure_serving_layout(codec: Codec) -> str:
     tk = transformer_kernels_default()
     if tk is not None:
         codec.configure_serving(transformer_kernels=tk)
+    ts = tconv_snake_default()
+    if ts is not None:
+        codec.configure_serving(tconv_snake=ts)
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())
