@@ -37,12 +37,13 @@ def _transformer(dt: torch.dtype, seed: int = 0, cfg: TransformerConfig = SMALL,
 
 
 def _stream(tr: WindowLimitedTransformer, schedule: list[int], seed: int, kernels: bool, ws: str,
-            device="cpu", pooled: bool = False) -> tuple[torch.Tensor, StreamState]:
-    """Three streams through ``schedule``; ``pooled``: their state is rows 3, 0, 4 of a pool of
-    six (an IndexedState, as the serving decoder's slot pool), the other rows NaN."""
+            device="cpu", pooled: bool = False, B: int = 3) -> tuple[torch.Tensor, StreamState]:
+    """``B`` streams through ``schedule``; ``pooled``: three streams whose state is rows 3, 0, 4
+    of a pool of six (an IndexedState, as the serving decoder's slot pool), the other rows NaN."""
     tr.window_state, tr.kernels = ws, kernels
     dt = tr.norm.weight.dtype
-    B = 3
+    if pooled:
+        B = 3
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, tr.cfg.dim, sum(schedule), generator=g).to(device=device, dtype=dt)
     if pooled:
@@ -70,12 +71,14 @@ def _rope_case(dt: torch.dtype, clamp: bool) -> dict:
     B, t, H, D = 3, 5, 4, 16
     qkv = (torch.randn(B, t, 3 * H * D, generator=g) * 4).to(dt)
     table = rope_table(16, D, 10000.0)[:19 if clamp else 32]
-    pos = torch.tensor([0, 9, 14])  # with clamp the last stream runs past the table
+    # with clamp the last stream runs past the 19-row table (positions 16..20: 19 and 20 clamp)
+    pos = torch.tensor([0, 9, 16 if clamp else 14])
     q, k, v = codec_rope.rope_qkv_triton(qkv, table, pos, H, D, clamp)
     p = pos[:, None] + torch.arange(t)
     cs = table[p.clamp(max=table.shape[0] - 1) if clamp else p]
     mq, mk, mv = qkv.view(B, t, 3, H, D).unbind(2)
     return {"checks": {}, "flags": {
+        "clamped": (not clamp) or bool((p >= table.shape[0]).any()),
         "q_bits": torch.equal(q, apply_rotary_emb(mq, cs).transpose(1, 2)),
         "k_bits": torch.equal(k, apply_rotary_emb(mk, cs).transpose(1, 2)),
         "v_bits": torch.equal(v, mv.transpose(1, 2)),
@@ -125,7 +128,46 @@ def _stream_case(dt: torch.dtype, ws: str, schedule: list[int], pooled: bool = F
                           for ff in (layer.feed_forward for layer in tr.layers))}}
 
 
+# launch options Triton 3.6's compiled launcher accepts besides a kernel's own parameters
+LAUNCH_OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "launch_pdl", "maxnreg",
+                  "launch_cooperative_grid", "debug"}
+
+
+def _launch_keywords_case() -> dict:
+    """Every kernel of the fused path launched with the keywords a CUDA launch gets (PDL's among
+    them, as ``pdl_options`` gives on an sm_90 GPU) names only its own parameters or launch
+    options: the compiled launcher raises on an unknown keyword, the interpreter ignores it, so
+    the launches are checked here (the RoPE kernel was once launched with a PDL it lacks)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from shoal.kernels import fused
+
+    unknown: list[str] = []
+    launched: set[str] = set()
+    real_run, real_pdl = InterpretedFunction.run, fused.pdl_options
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launched.add(self.fn.__name__)
+        unknown.extend(f"{self.fn.__name__}:{k}" for k in kwargs
+                       if k not in self.arg_names and k not in LAUNCH_OPTIONS)
+        kwargs = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    fused.pdl_options = lambda t: {"PDL": False, "launch_pdl": False}  # a CUDA launch's keys
+    try:
+        for ws in ("kv", "ring"):
+            _stream(_transformer(torch.float32), [2, 3], 5, True, ws)
+    finally:
+        InterpretedFunction.run, fused.pdl_options = real_run, real_pdl
+    if unknown:
+        print("unknown launch keywords:", sorted(set(unknown)), file=sys.stderr)
+    return {"checks": {}, "flags": {"no_unknown_keywords": not unknown,
+                                    "rope_and_norm_launched": {"_rope_qkv_kernel", "_add_rmsnorm_kernel"} <= launched}}
+
+
 CASES = {
+    "launch_keywords": _launch_keywords_case,
     "rope_fp32": lambda: _rope_case(torch.float32, False),
     "rope_bf16_clamp": lambda: _rope_case(torch.bfloat16, True),
     "norm_scale_fp32": lambda: _norm_case(torch.float32),
@@ -184,7 +226,18 @@ def test_stacked_w13_shares_storage_and_follows_moves():
 
 
 def test_configure_serving_sets_the_flag(tmp_path, monkeypatch):
+    from shoal.bench.codec import build_codec
     from shoal.codec.streaming import transformer_kernels_default
+
+    codec = build_codec(True, torch.device("cpu"))
+    tr = codec.quantizer.post_module
+    codec.configure_serving(transformer_kernels=True)
+    assert tr.kernels
+    for layer in tr.layers:  # stacked at once, not inside a first (perhaps captured) call
+        ff = layer.feed_forward
+        assert ff.__dict__.get("_w13") is not None and ff.w1.weight.data_ptr() == ff._w13.data_ptr()
+    codec.configure_serving(transformer_kernels=False)
+    assert not tr.kernels
 
     monkeypatch.setenv("SHOAL_CODEC_TRANSFORMER_KERNELS", "1")
     assert transformer_kernels_default() is True
@@ -212,8 +265,8 @@ def test_gpu_real_size_streams_match_the_modules(ws):
             for p in layer.parameters():
                 if p.dim() == 2:
                     p.div_(4.0)
-    want, s_want = _stream(tr, [32, 1, 8, 128], 2, False, ws, "cuda")
-    got, s_got = _stream(tr, [32, 1, 8, 128], 2, True, ws, "cuda")
+    want, s_want = _stream(tr, [32, 1, 8, 128], 2, False, ws, "cuda", B=64)
+    got, s_got = _stream(tr, [32, 1, 8, 128], 2, True, ws, "cuda", B=64)
     scale = want.float().abs().max().item()
     assert (got.float() - want.float()).abs().max().item() <= 2.0 ** -6 * scale
     for k in s_want.tensors:
@@ -223,6 +276,7 @@ def test_gpu_real_size_streams_match_the_modules(ws):
     qkv = torch.randn(64, 32, 3 * 1024, device="cuda", generator=g).to(torch.bfloat16)
     table = rope_table(4096, 64, 10000.0, "cuda")
     pos = torch.randint(0, 4000, (64,), device="cuda", generator=g)
+    pos[0] = 4090  # runs past the table: the clamp a CUDA graph's fixed table needs
     q, k, v = codec_rope.rope_qkv_triton(qkv, table, pos, 16, 64, clamp=True)
     rq, rk, rv = codec_rope.rope_qkv_ref(qkv, table, pos, 16, 64, clamp=True)
     assert torch.equal(q, rq) and torch.equal(k, rk) and torch.equal(v, rv)

@@ -1,7 +1,8 @@
 """The codec transformer's ring window (shoal.kernels.window_attention): the kernel against the
-PyTorch form (Triton interpreter; GPU at the real codec's sizes), the ring's slot arithmetic
-against an ordered window, and the ``ring`` window state of a serving decoder over a slot pool
-equal to the ``kv`` one."""
+PyTorch form (Triton interpreter; GPU at the real codec's sizes) and the ring's slot arithmetic
+against an ordered window. The ``ring`` window state through whole decoders is checked in
+test_codec_streaming.py (streams against one-shot decodes) and test_codec_serving.py (a serving
+decoder over its slot pool, with row groups)."""
 
 from __future__ import annotations
 

@@ -1015,6 +1015,15 @@ class WindowLimitedTransformer(StreamingModule):
         """:meth:`_forward_stream` (``kv`` or ``ring`` state) through the fused kernels, the final
         norm included: per layer wqkv, RoPE, attention, wo, add+LayerScale+RMSNorm, w1|w3,
         SiLU*mul, w2, add+LayerScale+RMSNorm (the next layer's norm, or the final one)."""
+        from ..kernels.paged_attention import pdl_suppressed
+
+        # the fused kernels launch normally here (their PDL waits become no-ops): the codec's
+        # calls are prefill-like, many rows per launch, where PDL measured slower in the LLM's
+        # prefill, and the codec's other kernels launch without it
+        with pdl_suppressed():
+            return self._forward_stream_kernels_body(x, state, rope)
+
+    def _forward_stream_kernels_body(self, x: Tensor, state: StreamState, rope: Tensor | None) -> Tensor:
         from ..kernels.codec_rope import rope_qkv
         from ..kernels.fused import add_rmsnorm, silu_mul
 

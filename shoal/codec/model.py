@@ -644,7 +644,11 @@ class Codec(nn.Module):
         if tconv_snake is not None:
             self.decoder.tconv_snake = bool(tconv_snake)
         if transformer_kernels is not None:
-            self.quantizer.post_module.kernels = bool(transformer_kernels)
+            tr = self.quantizer.post_module
+            tr.kernels = bool(transformer_kernels)
+            if tr.kernels:  # w1|w3 stacked now, not inside a first call a CUDA graph may capture
+                for layer in tr.layers:
+                    layer.feed_forward.stacked_w13()
         if group_head_blocks is not None:
             if int(group_head_blocks) < 0:
                 raise ValueError(f"group_head_blocks must be >= 0, got {group_head_blocks!r}")

@@ -100,7 +100,9 @@ def rope_qkv_triton(qkv: Tensor, table: Tensor, pos: Tensor, n_head: int, head_d
         _rope_qkv_kernel[(B * t,)](
             qkv, table, pos.contiguous(), out, width, table.stride(0), t, table.shape[0] - 1,
             HD=HD, HALF_D=D // 2, BLOCK=_next_pow2(HD // 2), DT=_DT_CODE[qkv.dtype], CLAMP=bool(clamp),
-            **_launch_opts(4 if HD >= 1024 else 2, qkv))
+            # a normal launch (no tensor: no PDL keywords; the kernel has no PDL constexpr and
+            # must not read qkv before the wqkv GEMM's writes are visible)
+            **_launch_opts(4 if HD >= 1024 else 2))
     return out[:, :, 0].transpose(1, 2), out[:, :, 1].transpose(1, 2), v
 
 
