@@ -14,7 +14,11 @@
 #      then FP8 weights + FP8 KV cache, as
 #      docs/benchmarks.md records them;
 #   4. the two-lane audio worker with the ring state, graphs against eager.
+# PARTS picks steps (default all, in this order): tests ab engine lanes; e.g. two back-to-back
+# calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes".
 set -u
+PARTS=" ${PARTS:-tests ab engine lanes} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD
@@ -28,14 +32,14 @@ engine() {  # engine TIMEOUT TAG [ARGS...]
         --out "/tmp/r/$2" "${@:3}" 2>&1 | grep -E "c=|Error|error" | tail -6
     keep
 }
-timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
+part tests && timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
     tests/test_codec_unit.py::test_gpu_graphed_unit_decoder_equals_k1 -k gpu 2>&1 | tail -6
 echo "[t=$SECONDS]"
-OUT=$OUT timeout 270 python benchmarks/scripts/codec_transformer_ab.py 2 2>&1 | grep -v Warn | tail -10
+part ab && OUT=$OUT timeout 270 python benchmarks/scripts/codec_transformer_ab.py 2 2>&1 | grep -v Warn | tail -16
 echo "[t=$SECONDS]"
-if [[ "$GPU" == *H200* ]]; then
+if part engine && [[ "$GPU" == *H200* || -n "${ANY_GPU:-}" ]]; then
     engine 150 eng-bf16
     [[ $SECONDS -lt 420 ]] && engine 150 eng-fp8 --quantization fp8 --kv-cache-dtype fp8
 fi
-[[ $SECONDS -lt 500 ]] && timeout 90 python -m pytest -q -x tests/test_audio_lanes_gpu.py -k ring 2>&1 | tail -4
+part lanes && [[ $SECONDS -lt 500 ]] && timeout 90 python -m pytest -q -x tests/test_audio_lanes_gpu.py -k ring 2>&1 | tail -4
 echo "[t=$SECONDS]"
