@@ -35,7 +35,7 @@ engine() {  # engine TIMEOUT TAG [ARGS...]
 part tests && timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
     tests/test_codec_unit.py::test_gpu_graphed_unit_decoder_equals_k1 -k gpu 2>&1 | tail -6
 echo "[t=$SECONDS]"
-part ab && OUT=$OUT timeout 270 python benchmarks/scripts/codec_transformer_ab.py 2 2>&1 | grep -v Warn | tail -16
+part ab && OUT=$OUT timeout 270 python benchmarks/scripts/codec_transformer_ab.py "${AB_ROUNDS:-2}" 2>&1 | grep -v Warn | tail -16
 echo "[t=$SECONDS]"
 if part engine && [[ "$GPU" == *H200* || -n "${ANY_GPU:-}" ]]; then
     engine 150 eng-bf16
