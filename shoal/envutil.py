@@ -18,3 +18,14 @@ def env_int(name: str, default: int) -> int:
     if n < 0:
         raise ValueError(f"{name} must be >= 0, got {n}")
     return n
+
+
+def env_flag(name: str) -> bool | None:
+    """An on/off variable: ``1/true/on/yes`` True, ``0/false/off/no`` False, unset or blank None
+    (the caller keeps its own setting); anything else raises ValueError naming the variable."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return None
+    if v not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "on", "yes")

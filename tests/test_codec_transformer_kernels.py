@@ -40,10 +40,10 @@ def _stream(tr: WindowLimitedTransformer, schedule: list[int], seed: int, kernel
             device="cpu", pooled: bool = False, B: int = 3) -> tuple[torch.Tensor, StreamState]:
     """``B`` streams through ``schedule``; ``pooled``: three streams whose state is rows 3, 0, 4
     of a pool of six (an IndexedState, as the serving decoder's slot pool), the other rows NaN."""
+    if pooled and B != 3:
+        raise ValueError("the pooled state holds three streams")
     tr.window_state, tr.kernels = ws, kernels
     dt = tr.norm.weight.dtype
-    if pooled:
-        B = 3
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, tr.cfg.dim, sum(schedule), generator=g).to(device=device, dtype=dt)
     if pooled:

@@ -15,7 +15,8 @@
 #      docs/benchmarks.md records them;
 #   4. the two-lane audio worker with the ring state, graphs against eager.
 # PARTS picks steps (default all, in this order): tests ab engine lanes; e.g. two back-to-back
-# calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes".
+# calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes". AB_ROUNDS (default 2)
+# sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }

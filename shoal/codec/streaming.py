@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..envutil import env_int
+from ..envutil import env_flag, env_int
 from .layers import IndexedState, StreamState, rope_table
 from .model import Codec
 
@@ -576,7 +576,7 @@ def transformer_kernels_default() -> bool | None:
     """``SHOAL_CODEC_TRANSFORMER_KERNELS``: ``1`` runs the codec transformer's streaming calls
     through the fused kernels (``Codec.configure_serving(transformer_kernels=True)``), ``0`` through
     the modules; None when unset (the codec's own setting stays: off until set)."""
-    return _env_flag("SHOAL_CODEC_TRANSFORMER_KERNELS")
+    return env_flag("SHOAL_CODEC_TRANSFORMER_KERNELS")
 
 
 def tconv_snake_default() -> bool | None:
@@ -584,16 +584,7 @@ def tconv_snake_default() -> bool | None:
     its transposed conv's GEMM epilogue (``Codec.configure_serving(tconv_snake=True)``; the
     ``fused`` mode's entry, here with the ``unit`` / ``k1`` modes), ``0`` in the separate Snake
     kernel; None when unset (the codec's own setting stays: off until set)."""
-    return _env_flag("SHOAL_CODEC_TCONV_SNAKE")
-
-
-def _env_flag(name: str) -> bool | None:
-    v = os.environ.get(name, "").strip().lower()
-    if not v:
-        return None
-    if v not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
-        raise ValueError(f"{name} must be 0 or 1, got {v!r}")
-    return v in ("1", "true", "on", "yes")
+    return env_flag("SHOAL_CODEC_TCONV_SNAKE")
 
 
 def configure_serving_layout(codec: Codec) -> str:
