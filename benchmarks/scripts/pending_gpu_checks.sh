@@ -13,12 +13,14 @@
 #   3. on an H200 only (the issues' targets are H200 figures): the bf16 engine at c=1 and 64,
 #      then FP8 weights + FP8 KV cache, as
 #      docs/benchmarks.md records them;
-#   4. the two-lane audio worker with the ring state, graphs against eager.
-# PARTS picks steps (default all, in this order): tests ab engine lanes; e.g. two back-to-back
+#   4. the two-lane audio worker with the ring state, graphs against eager;
+#   5. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
+#      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
+# PARTS picks steps (default all, in this order): tests ab engine lanes ncu; e.g. two back-to-back
 # calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes". AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
-PARTS=" ${PARTS:-tests ab engine lanes} "
+PARTS=" ${PARTS:-tests ab engine lanes ncu} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
@@ -44,3 +46,12 @@ if part engine && [[ "$GPU" == *H200* || -n "${ANY_GPU:-}" ]]; then
 fi
 part lanes && [[ $SECONDS -lt 500 ]] && timeout 90 python -m pytest -q -x tests/test_audio_lanes_gpu.py -k ring 2>&1 | tail -4
 echo "[t=$SECONDS]"
+if part ncu; then
+    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    timeout 150 "$NCU" --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
+        --metrics lts__t_bytes.sum,dram__bytes.sum --csv --page details --log-file "$OUT/ncu.csv" \
+        python benchmarks/scripts/ncu_codec_units.py 2>&1 | grep -v "^==PROF==" | tail -8
+    python benchmarks/scripts/ncu_codec_units.py --summarize "$OUT/ncu.csv" 2>&1 | tail -150
+    echo "[t=$SECONDS]"
+fi
