@@ -191,6 +191,42 @@ def test_split_tiles():
         assert cu.unit_config(c)[1] + cu.unit_config(c)[7] >= c
 
 
+def test_serving_defaults(monkeypatch):
+    """On the Triton decode path the serving layout picks the measured defaults (ring window,
+    transformer kernels, entry Snakes in the transposed convs) for options nobody set; an
+    option set through configure_serving or the environment wins; off that path (the CPU here)
+    the codec keeps its own settings."""
+    from shoal.bench.codec import build_codec
+    from shoal.codec.streaming import SERVING_DEFAULTS, apply_serving_defaults, configure_serving_layout
+
+    for var in ("SHOAL_CODEC_WINDOW_STATE", "SHOAL_CODEC_TRANSFORMER_KERNELS", "SHOAL_CODEC_TCONV_SNAKE"):
+        monkeypatch.delenv(var, raising=False)
+    assert SERVING_DEFAULTS == {"window_state": "ring", "transformer_kernels": True, "tconv_snake": True}
+
+    def options(c):
+        tr = c.quantizer.post_module
+        return tr.window_state, tr.kernels, c.decoder.tconv_snake
+
+    codec = build_codec(True, torch.device("cpu"))
+    configure_serving_layout(codec)  # the CPU: no Triton decode path
+    assert options(codec) == ("kv", False, False) and codec.serving_set == set()
+    apply_serving_defaults(codec, triton_path=True)
+    assert options(codec) == ("ring", True, True)
+    apply_serving_defaults(codec, triton_path=True)  # every serving_decoder() applies them again
+    assert options(codec) == ("ring", True, True)
+
+    codec = build_codec(True, torch.device("cpu"))
+    codec.configure_serving(window_state="kv", tconv_snake=False)  # the caller's choice stays
+    apply_serving_defaults(codec, triton_path=True)
+    assert options(codec) == ("kv", True, False)
+
+    codec = build_codec(True, torch.device("cpu"))
+    monkeypatch.setenv("SHOAL_CODEC_WINDOW_STATE", "hidden")
+    monkeypatch.setenv("SHOAL_CODEC_TRANSFORMER_KERNELS", "0")
+    apply_serving_defaults(codec, triton_path=True)
+    assert options(codec) == ("hidden", False, True)
+
+
 def test_tconv_snake_switch(monkeypatch):
     """``SHOAL_CODEC_TCONV_SNAKE`` reaches the decoder through the serving layout; bad values
     are refused; unset leaves the codec's own setting."""

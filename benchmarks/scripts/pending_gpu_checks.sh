@@ -4,7 +4,7 @@
 # benchmarks/scripts/pending_gpu_checks.sh", carry=[".whl"])). In order of priority; each
 # step is time-boxed and its results are kept in $OUT as soon as it ends, so a call cut short
 # keeps what it measured:
-#   1. GPU tests of the opt-in codec paths: the ring window (window_attention), the fused
+#   1. GPU tests of the codec paths made without a GPU: the ring window (window_attention), the fused
 #      transformer kernels (codec_rope, add_rmsnorm's LayerScale), real codec sizes, and the
 #      graphed unit-mode decoder with the transposed convs' Snake epilogues;
 #   2. the codec A/B: window state kv / ring x transformer kernels off / on, and the blocks'
@@ -14,13 +14,16 @@
 #      then FP8 weights + FP8 KV cache, as
 #      docs/benchmarks.md records them;
 #   4. the two-lane audio worker with the ring state, graphs against eager;
-#   5. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
+#   5. (modes) the codec's serving defaults: call times and resident memory at 64 slots
+#      (benchmarks/scripts/codec_modes.py); (snr) the bf16 serving decoder's error against the
+#      fp32 one-shot decode per configuration (benchmarks/scripts/codec_serving_snr.py); (audio) the engine with audio out at c=64, 4 voices;
+#   6. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
 #      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
-# PARTS picks steps (default all, in this order): tests ab engine lanes ncu; e.g. two back-to-back
+# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio ncu; e.g. two back-to-back
 # calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes". AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
-PARTS=" ${PARTS:-tests ab engine lanes ncu} "
+PARTS=" ${PARTS:-tests ab engine lanes modes snr audio ncu} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
@@ -46,6 +49,13 @@ if part engine && [[ "$GPU" == *H200* || -n "${ANY_GPU:-}" ]]; then
 fi
 part lanes && [[ $SECONDS -lt 500 ]] && timeout 90 python -m pytest -q -x tests/test_audio_lanes_gpu.py -k ring 2>&1 | tail -4
 echo "[t=$SECONDS]"
+part modes && timeout 120 python benchmarks/scripts/codec_modes.py default 64 2>&1 | grep -v Warn | tail -4
+part snr && timeout 120 python benchmarks/scripts/codec_serving_snr.py 2>&1 | grep -v Warn | tail -5
+if part audio; then
+    timeout 150 python -m shoal.cli bench engine --concurrency 64 --frames 300 --requests-per-client 2 --audio \
+        --voices 4 --out /tmp/r/eng-audio 2>&1 | grep -E "c=|Error|error" | tail -3
+    keep
+fi
 if part ncu; then
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 150 "$NCU" --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \

@@ -480,6 +480,9 @@ class Codec(nn.Module):
         self.encoder = Encoder(config)
         self.quantizer = DownsampleRVQ(config.quantizer)
         self.decoder = Decoder(config)
+        # the serving options a caller (or an environment variable) set through configure_serving;
+        # the CUDA serving defaults of ``streaming.configure_serving_layout`` leave these alone
+        self.serving_set: set[str] = set()
         assign_state_keys(self)
 
     @property
@@ -641,6 +644,10 @@ class Codec(nn.Module):
         ``"fused"`` does there), writing the residual stream and the Snake'd conv input directly;
         the same bits as the separate Snake kernel.
         """
+        for name, value in (("window_state", window_state), ("transformer_kernels", transformer_kernels),
+                            ("tconv_snake", tconv_snake)):
+            if value is not None:
+                self.serving_set.add(name)
         if tconv_snake is not None:
             self.decoder.tconv_snake = bool(tconv_snake)
         if transformer_kernels is not None:

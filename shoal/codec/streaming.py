@@ -557,10 +557,11 @@ def pack_conv_weights(codec: Codec) -> int:
 def window_state_default() -> str | None:
     """What a serving stream carries of the codec transformer's window,
     ``SHOAL_CODEC_WINDOW_STATE``: ``kv`` (keys and values, 4.0 MiB per stream for the real
-    codec; a codec's default), ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and
+    codec; a codec's own default), ``hidden`` (each layer's normed inputs, 2.0 MiB; keys and
     values recomputed each call) or ``ring`` (the keys and values in ring order, 4.0 MiB, read
-    and written in place by the window-attention kernel); None when unset (the codec's own
-    setting stays)."""
+    and written in place by the window-attention kernel). None when unset: ``ring`` on the
+    CUDA Triton path (:data:`SERVING_DEFAULTS`) unless set through ``configure_serving``, else
+    the codec's own setting."""
     v = os.environ.get("SHOAL_CODEC_WINDOW_STATE", "").strip().lower()
     if not v:
         return None
@@ -574,8 +575,9 @@ def window_state_default() -> str | None:
 
 def transformer_kernels_default() -> bool | None:
     """``SHOAL_CODEC_TRANSFORMER_KERNELS``: ``1`` runs the codec transformer's streaming calls
-    through the fused kernels (``Codec.configure_serving(transformer_kernels=True)``), ``0`` through
-    the modules; None when unset (the codec's own setting stays: off until set)."""
+    through the fused kernels (``Codec.configure_serving(transformer_kernels=True)``), ``0``
+    through the modules. None when unset: on for the CUDA Triton path (:data:`SERVING_DEFAULTS`)
+    unless set through ``configure_serving``, else the codec's own setting (off until set)."""
     return env_flag("SHOAL_CODEC_TRANSFORMER_KERNELS")
 
 
@@ -583,8 +585,29 @@ def tconv_snake_default() -> bool | None:
     """``SHOAL_CODEC_TCONV_SNAKE``: ``1`` computes each decoder block's bias + first Snake in
     its transposed conv's GEMM epilogue (``Codec.configure_serving(tconv_snake=True)``; the
     ``fused`` mode's entry, here with the ``unit`` / ``k1`` modes), ``0`` in the separate Snake
-    kernel; None when unset (the codec's own setting stays: off until set)."""
+    kernel. None when unset: on for the CUDA Triton path (:data:`SERVING_DEFAULTS`) unless set
+    through ``configure_serving``, else the codec's own setting (off until set)."""
     return env_flag("SHOAL_CODEC_TCONV_SNAKE")
+
+
+# the Triton decode path's defaults on CUDA for the options below (H100, 2026-12-07, 64 x 32-frame
+# calls: 46.7 ms with kv / modules / separate Snakes, 41.9 ms with these; engine with audio at
+# c=64: +1.8% frames/s, first audio p50 -14%; docs/benchmarks.md)
+SERVING_DEFAULTS: dict[str, object] = {"window_state": "ring", "transformer_kernels": True, "tconv_snake": True}
+
+
+def apply_serving_defaults(codec: Codec, triton_path: bool) -> None:
+    """The codec transformer's window state, its fused kernels and the blocks' entry Snakes:
+    the environment's choice where set; else, on the Triton decode path (``triton_path``: a
+    CUDA codec whose convs run as Triton kernels), :data:`SERVING_DEFAULTS` unless the caller
+    set the option through ``Codec.configure_serving``; else the codec's own setting."""
+    for name, env_value in (("window_state", window_state_default()),
+                            ("transformer_kernels", transformer_kernels_default()),
+                            ("tconv_snake", tconv_snake_default())):
+        if env_value is not None:
+            codec.configure_serving(**{name: env_value})
+        elif triton_path and name not in codec.serving_set:
+            codec.configure_serving(**{name: SERVING_DEFAULTS[name]})
 
 
 def configure_serving_layout(codec: Codec) -> str:
@@ -595,15 +618,7 @@ def configure_serving_layout(codec: Codec) -> str:
     if codec.device.type == "cuda":
         codec.configure_serving(group_positions=group_positions_default(),
                                 group_head_blocks=env_int("SHOAL_CODEC_GROUP_HEAD_BLOCKS", 1))
-    ws = window_state_default()
-    if ws is not None:  # unset: whatever the codec was configured with (kv until set)
-        codec.configure_serving(window_state=ws)
-    tk = transformer_kernels_default()
-    if tk is not None:
-        codec.configure_serving(transformer_kernels=tk)
-    ts = tconv_snake_default()
-    if ts is not None:
-        codec.configure_serving(tconv_snake=ts)
+    apply_serving_defaults(codec, codec.device.type == "cuda" and codec_conv_enabled(codec.dtype))
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
     if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())
