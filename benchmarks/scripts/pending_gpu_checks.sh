@@ -17,13 +17,14 @@
 #   5. (modes) the codec's serving defaults: call times and resident memory at 64 slots
 #      (benchmarks/scripts/codec_modes.py); (snr) the bf16 serving decoder's error against the
 #      fp32 one-shot decode per configuration (benchmarks/scripts/codec_serving_snr.py); (audio) the engine with audio out at c=64, 4 voices;
-#   6. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
+#   6. (occ) the unit kernels' tiles x register caps (benchmarks/scripts/unit_occupancy_probe.py);
+#   7. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
 #      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
-# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio ncu; e.g. two back-to-back
+# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu; e.g. two back-to-back
 # calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes". AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
-PARTS=" ${PARTS:-tests ab engine lanes modes snr audio ncu} "
+PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
@@ -56,6 +57,7 @@ if part audio; then
         --voices 4 --out /tmp/r/eng-audio 2>&1 | grep -E "c=|Error|error" | tail -3
     keep
 fi
+part occ && timeout 240 python benchmarks/scripts/unit_occupancy_probe.py 2>&1 | grep -v Warn | tail -12
 if part ncu; then
     NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 150 "$NCU" --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \

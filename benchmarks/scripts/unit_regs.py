@@ -7,8 +7,8 @@
 with the serving launch's specialisations (bf16, K = 7, dilation 3, the SFU sine, 16-byte aligned
 pointers, strides divisible by 16, the channel stride 1), then the ``ptxas -v`` report of the
 Triton's own ptxas. A CONFIG is ``BT,BN,BC,WARPS,STAGES,TMA,FLAT,BN2`` with optional ``:trans``,
-``:vtma``, ``:early`` suffixes (the k=1 conv transposed, the k=1 weight through descriptors, the
-second tile's k=1 products early). Prints ``(registers, spill store bytes, spill load bytes,
+``:vtma``, ``:early``, ``:regsN`` suffixes (the k=1 conv transposed, the k=1 weight through
+descriptors, the second tile's k=1 products early, Triton's ``maxnreg=N`` cap). Prints ``(registers, spill store bytes, spill load bytes,
 shared memory bytes)`` per config. Use the Triton the GPU machine runs: a newer one allocates
 registers differently (Triton 3.9 reported ~2-3 KB of spills per thread for the 192-channel
 shipped tile where 3.6 reports 88 bytes, and none with ``:vtma``)."""
@@ -37,6 +37,7 @@ def compile_unit(C: int, spec: str) -> tuple[int, int, int, int]:
     cfg, *flags = spec.split(":")
     bt, bn, bc, warps, stages, tma, flat, bn2 = (int(v) for v in cfg.split(","))
     trans, vtma, early = "trans" in flags, "vtma" in flags, "early" in flags
+    maxnreg = next((int(f[4:]) for f in flags if f.startswith("regs")), None)
     fn = cu._kernel()
     desc = lambda r, c: f"tensordesc<bf16[{r}, {c}]>"  # noqa: E731
     vshape = {"va_ptr": (bn, bn), "vb_ptr": (bn2, bn), "vc_ptr": (bn, bn2), "vd_ptr": (bn2, bn2)}
@@ -65,7 +66,8 @@ def compile_unit(C: int, spec: str) -> tuple[int, int, int, int]:
                   DT=cu._DT_CODE[torch.bfloat16], IEEE=False, UPCAST=False, FLAT=bool(flat), TMA=bool(tma),
                   K1_TRANS=trans, V_TMA=vtma and bool(tma), K1_EARLY=early and not trans)
     k = tcompile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
-                 options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
+                 options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False,
+                          **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:

@@ -296,7 +296,8 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                          out: Tensor | None = None, snake_alpha: Tensor | None = None,
                          snake_out: Tensor | None = None, write_out: bool = True,
                          config: tuple[int, ...] | None = None, k1_trans: bool | None = None,
-                         v_tma: bool | None = None, k1_early: bool | None = None) -> Tensor | None:
+                         v_tma: bool | None = None, k1_early: bool | None = None,
+                         maxnreg: int | None = None) -> Tensor | None:
     """One residual unit (see the module docstring); ``w7`` / ``w1`` packed by
     :func:`pack_conv_weight` (``[7, C, C]`` / ``[1, C, C]``). Writes ``h'`` into ``out`` (or a
     new channels-last tensor; skipped with ``write_out=False``) and ``Snake_snake_alpha(h')``
@@ -308,7 +309,10 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     unit ran 3.54 -> 3.24 ms on an H100, off in the transposed form, 2.37 -> 2.43 ms at 96).
     ``k1_early`` runs the second output tile's k=1 products before the first tile's epilogue
     (direct form only; no faster on an H100; default: env
-    ``SHOAL_UNIT_K1_EARLY``, off): the same products in the same order, fewer live registers."""
+    ``SHOAL_UNIT_K1_EARLY``, off): the same products in the same order, fewer live registers.
+    ``maxnreg`` caps the registers per thread (Triton's compile option; default: env
+    ``SHOAL_UNIT_MAXNREG``, unset: no cap, and the tiles take 255, so two 4-warp programs fit an
+    SM); a GPU-only probe of more programs per SM at the price of a few spills. Same bits."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -363,6 +367,10 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     if not interpret:
         opts["num_stages"] = stages
         opts["enable_fp_fusion"] = False
+        if maxnreg is None:
+            maxnreg = env_int("SHOAL_UNIT_MAXNREG", 0)
+        if maxnreg:
+            opts["maxnreg"] = int(maxnreg)
     consts = dict(K=K, DIL=dilation, WRITE_O=write_out, SNAKE=snake_alpha is not None,
                   ACCURATE_SIN=sin_mode(x.dtype, interpret), BT=bt, BN=bn, BC=bc, BN2=bn2,
                   DT=_DT_CODE[x.dtype],
