@@ -225,6 +225,40 @@ def test_stacked_w13_shares_storage_and_follows_moves():
     assert ff.w3.weight.data_ptr() == buf2[w1.shape[0]:].data_ptr()
 
 
+def test_place_moves_w13_stacked(monkeypatch):
+    """A codec placed on another device gets each feed-forward's w1 | w3 as one stacked buffer
+    made before the move (no separate device copies whose freed blocks would stay reserved);
+    the stacked form is the one the fused path reads, and the values are the weights'."""
+    from shoal.bench.codec import build_codec
+    from shoal.codec.layers import FeedForward
+
+    ff = FeedForward(8, 12)
+    w1, w3 = ff.w1.weight.detach().clone(), ff.w3.weight.detach().clone()
+    buf = ff.place_w13(torch.device("cpu"), torch.bfloat16)
+    assert buf.shape == (24, 8) and buf.dtype == torch.bfloat16
+    assert ff.w1.weight.data_ptr() == buf.data_ptr() and ff.w3.weight.data_ptr() == buf[12:].data_ptr()
+    assert torch.equal(ff.w1.weight, w1.to(torch.bfloat16)) and torch.equal(ff.w3.weight, w3.to(torch.bfloat16))
+    assert ff.stacked_w13() is buf  # nothing stacked again
+
+    calls = []
+    real = FeedForward.place_w13
+
+    def spy(self, device, dtype):
+        calls.append((torch.device(device).type, dtype))
+        return real(self, device, dtype)
+
+    monkeypatch.setattr(FeedForward, "place_w13", spy)
+    codec = build_codec(True, torch.device("cpu"))
+    n_ff = sum(isinstance(m, FeedForward) for m in codec.modules())
+    codec.place("cpu", torch.float32, torch.bfloat16)  # same device: nothing moves
+    assert calls == []
+    codec.place("meta", torch.float32, torch.bfloat16)
+    assert len(calls) == n_ff > 0 and {c[0] for c in calls} == {"meta"}
+    post = codec.quantizer.post_module.layers[0].feed_forward
+    assert post.w1.weight.dtype == torch.bfloat16 and post.__dict__["_w13"].device.type == "meta"
+    assert post.stacked_w13() is post.__dict__["_w13"]  # nothing stacked again on the device
+
+
 def test_configure_serving_sets_the_flag(tmp_path, monkeypatch):
     from shoal.bench.codec import build_codec
     from shoal.codec.streaming import transformer_kernels_default

@@ -20,6 +20,7 @@ from .layers import (
     CausalConv1d,
     CausalConvTranspose1d,
     ConvNeXtBlock,
+    FeedForward,
     ResidualUnit,
     Seq,
     Snake,
@@ -528,6 +529,11 @@ class Codec(nn.Module):
                 # freed staging blocks stay reserved between the live weights (measured:
                 # ~0.5 GiB of an H200's memory for the real codec's decode side)
                 m.to(dtype=dt)
+                # the transformers' w1 | w3 move as one buffer, the form the fused streaming
+                # path's single GEMM reads (FeedForward.place_w13): stacking them on the device
+                # later would leave their first copies' blocks reserved
+                for ff in [x for x in m.modules() if isinstance(x, FeedForward)]:
+                    ff.place_w13(device, dt)
             m.to(device=device, dtype=dt)
         return self
 
