@@ -20,8 +20,9 @@
 #   6. (occ) the unit kernels' tiles x register caps (benchmarks/scripts/unit_occupancy_probe.py);
 #   7. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
 #      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
-# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu; e.g. two back-to-back
-# calls on one warm machine: PARTS="tests ab", then PARTS="engine lanes". AB_ROUNDS (default 2)
+# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu; e.g.
+# back-to-back calls on one warm machine (it goes back after 30 s idle): PARTS="engine modes audio",
+# then PARTS="snr occ" (what the ninth session left unmeasured). AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu} "
