@@ -239,6 +239,11 @@ def test_place_moves_w13_stacked(monkeypatch):
     assert ff.w1.weight.data_ptr() == buf.data_ptr() and ff.w3.weight.data_ptr() == buf[12:].data_ptr()
     assert torch.equal(ff.w1.weight, w1.to(torch.bfloat16)) and torch.equal(ff.w3.weight, w3.to(torch.bfloat16))
     assert ff.stacked_w13() is buf  # nothing stacked again
+    ff.to(torch.bfloat16)  # a move that changes nothing keeps the stacked buffer
+    assert ff.__dict__.get("_w13") is buf
+    ff.to(torch.float32)  # one that gives the weights new storage drops it
+    assert "_w13" not in ff.__dict__ and ff.w1.weight.dtype == torch.float32
+    assert ff.stacked_w13().dtype == torch.float32
 
     calls = []
     real = FeedForward.place_w13

@@ -212,6 +212,7 @@ def test_serving_defaults(monkeypatch):
     assert options(codec) == ("kv", False, False) and codec.serving_set == set()
     apply_serving_defaults(codec, triton_path=True)
     assert options(codec) == ("ring", True, True)
+    assert codec.serving_set == set()  # the defaults are not recorded as the caller's choice
     apply_serving_defaults(codec, triton_path=True)  # every serving_decoder() applies them again
     assert options(codec) == ("ring", True, True)
 
@@ -219,12 +220,30 @@ def test_serving_defaults(monkeypatch):
     codec.configure_serving(window_state="kv", tconv_snake=False)  # the caller's choice stays
     apply_serving_defaults(codec, triton_path=True)
     assert options(codec) == ("kv", True, False)
+    assert codec.serving_set == {"window_state", "tconv_snake"}
 
     codec = build_codec(True, torch.device("cpu"))
+    with pytest.raises(ValueError, match="window_state"):
+        codec.configure_serving(window_state="bogus")
+    assert codec.serving_set == set()  # a refused value leaves the option to the defaults
     monkeypatch.setenv("SHOAL_CODEC_WINDOW_STATE", "hidden")
     monkeypatch.setenv("SHOAL_CODEC_TRANSFORMER_KERNELS", "0")
     apply_serving_defaults(codec, triton_path=True)
-    assert options(codec) == ("hidden", False, True)
+    assert options(codec) == ("hidden", False, True) and codec.serving_set == set()
+    monkeypatch.delenv("SHOAL_CODEC_WINDOW_STATE")
+    monkeypatch.delenv("SHOAL_CODEC_TRANSFORMER_KERNELS")
+    apply_serving_defaults(codec, triton_path=True)  # the environment's choice was not sticky
+    assert options(codec) == ("ring", True, True)
+
+    # stream states made in the kv layout: the default does not reorder them under them
+    codec = build_codec(True, torch.device("cpu"))
+    from shoal.codec.streaming import StreamingDecoder
+
+    StreamingDecoder(codec).new_state(2)
+    apply_serving_defaults(codec, triton_path=True)
+    assert options(codec) == ("kv", True, True)
+    codec.configure_serving(window_state="ring")  # the caller may still choose (before new states)
+    assert options(codec)[0] == "ring"
 
 
 def test_tconv_snake_switch(monkeypatch):

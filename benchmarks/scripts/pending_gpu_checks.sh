@@ -32,6 +32,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-out}
 mkdir -p "$OUT" /tmp/r
+OUT=$(cd "$OUT" && pwd)  # absolute (keep() runs in /tmp) and exported: the scripts write under it
+export OUT
 nvidia-smi --query-gpu=name,uuid,clocks.max.sm --format=csv,noheader
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 keep() { (cd /tmp && tar czf "$OUT/r.tgz" r); echo "[t=$SECONDS]"; }
@@ -59,8 +61,10 @@ if part audio; then
     keep
 fi
 part occ && timeout 240 python benchmarks/scripts/unit_occupancy_probe.py 2>&1 | grep -v Warn | tail -12
-if part ncu; then
-    NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if part ncu && [[ -z "$NCU" ]]; then
+    echo "ncu: not found, step skipped"
+elif part ncu; then
     timeout 150 "$NCU" --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
         --metrics lts__t_bytes.sum,dram__bytes.sum --csv --page details --log-file "$OUT/ncu.csv" \

@@ -706,6 +706,20 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def _w13_current(self, buf: Tensor) -> bool:
+        w1, w3 = self.w1.weight, self.w3.weight
+        return (buf.dtype == w1.dtype and buf.device == w1.device and w1.data_ptr() == buf.data_ptr()
+                and w3.data_ptr() == buf[w1.shape[0]:].data_ptr() and w1.shape[0] + w3.shape[0] == buf.shape[0])
+
+    def _apply(self, fn, recurse: bool = True):
+        # a move that gave w1 / w3 new storage leaves the stacked buffer stale: drop it (a move
+        # that changed nothing keeps it, and the weights stay views of it)
+        out = super()._apply(fn, recurse)
+        buf = self.__dict__.get("_w13")
+        if buf is not None and not self._w13_current(buf):
+            del self.__dict__["_w13"]
+        return out
+
     def place_w13(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """Put ``w1`` and ``w3`` on ``device`` in ``dtype`` as views of one stacked buffer (what
         :meth:`stacked_w13` makes), stacked where they are and moved once: a stacking done
@@ -726,9 +740,7 @@ class FeedForward(nn.Module):
         after anything replaced them (a dtype or device move), it stacks them anew."""
         w1, w3 = self.w1.weight, self.w3.weight
         buf = self.__dict__.get("_w13")
-        if (buf is not None and buf.dtype == w1.dtype and buf.device == w1.device
-                and w1.data_ptr() == buf.data_ptr() and w3.data_ptr() == buf[w1.shape[0]:].data_ptr()
-                and w1.shape[0] + w3.shape[0] == buf.shape[0]):
+        if buf is not None and self._w13_current(buf):
             return buf
         with torch.no_grad():
             buf = torch.cat([w1.detach(), w3.detach()], dim=0)
@@ -885,6 +897,9 @@ class WindowLimitedTransformer(StreamingModule):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.window_state = "kv"  # Codec.configure_serving(window_state=...), before new_state
         self.kernels = False  # Codec.configure_serving(transformer_kernels=...)
+        # whether any stream state was laid out for the current window_state (the serving
+        # defaults do not change the window state under existing states)
+        self.states_made = False
 
     def _rope(self, n: int, device) -> Tensor:
         return rope_table(n, self.cfg.head_dim, self.cfg.rope_base, device)
@@ -1074,6 +1089,8 @@ class WindowLimitedTransformer(StreamingModule):
         return n
 
     def init_stream_state(self, batch_size, device, dtype):
+        if torch.device(device).type != "meta":  # meta: a layout, no state (see new_state)
+            self.states_made = True
         key = self.state_key
         P = self.window - 1
         out = {f"{key}.pos": torch.zeros(batch_size, dtype=torch.long, device=device)}

@@ -481,8 +481,9 @@ class Codec(nn.Module):
         self.encoder = Encoder(config)
         self.quantizer = DownsampleRVQ(config.quantizer)
         self.decoder = Decoder(config)
-        # the serving options a caller (or an environment variable) set through configure_serving;
-        # the CUDA serving defaults of ``streaming.configure_serving_layout`` leave these alone
+        # the serving options a caller set through configure_serving (window_state,
+        # transformer_kernels, tconv_snake); ``streaming.apply_serving_defaults`` leaves these
+        # alone and records neither its defaults nor the environment's choices here
         self.serving_set: set[str] = set()
         assign_state_keys(self)
 
@@ -650,10 +651,6 @@ class Codec(nn.Module):
         ``"fused"`` does there), writing the residual stream and the Snake'd conv input directly;
         the same bits as the separate Snake kernel.
         """
-        for name, value in (("window_state", window_state), ("transformer_kernels", transformer_kernels),
-                            ("tconv_snake", tconv_snake)):
-            if value is not None:
-                self.serving_set.add(name)
         if tconv_snake is not None:
             self.decoder.tconv_snake = bool(tconv_snake)
         if transformer_kernels is not None:
@@ -674,6 +671,10 @@ class Codec(nn.Module):
                 raise ValueError(f"window_state must be one of {WindowLimitedTransformer.WINDOW_STATES}, "
                                  f"got {window_state!r}")
             self.quantizer.post_module.window_state = ws
+        # recorded once validated (a refused value leaves the option to the defaults)
+        self.serving_set.update(name for name, value in (("window_state", window_state),
+                                                         ("transformer_kernels", transformer_kernels),
+                                                         ("tconv_snake", tconv_snake)) if value is not None)
         if group_positions is not False:
             if group_positions is not None and int(group_positions) < 1:
                 raise ValueError(f"group_positions must be >= 1 or None, got {group_positions!r}")

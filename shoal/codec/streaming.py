@@ -31,6 +31,7 @@ device sync.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from torch import Tensor
 from ..envutil import env_flag, env_int
 from .layers import IndexedState, StreamState, rope_table
 from .model import Codec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DecoderState", "StreamingDecoder", "GraphedStreamingDecoder", "serving_decoder"]
 
@@ -79,6 +82,7 @@ class StreamingDecoder:
         bounds = {self.codec.quantizer.post_module.state_key: 0}
         if torch.device(device).type == "meta":
             return DecoderState(tensors, bounds)
+        self.codec.quantizer.post_module.states_made = True  # laid out in the current window state
         # packed: a stream's whole row is gathered / scattered in one op per dtype
         return DecoderState.packed_zeros(tensors, bounds, device)
 
@@ -600,14 +604,29 @@ def apply_serving_defaults(codec: Codec, triton_path: bool) -> None:
     """The codec transformer's window state, its fused kernels and the blocks' entry Snakes:
     the environment's choice where set; else, on the Triton decode path (``triton_path``: a
     CUDA codec whose convs run as Triton kernels), :data:`SERVING_DEFAULTS` unless the caller
-    set the option through ``Codec.configure_serving``; else the codec's own setting."""
-    for name, env_value in (("window_state", window_state_default()),
-                            ("transformer_kernels", transformer_kernels_default()),
-                            ("tconv_snake", tconv_snake_default())):
-        if env_value is not None:
-            codec.configure_serving(**{name: env_value})
-        elif triton_path and name not in codec.serving_set:
-            codec.configure_serving(**{name: SERVING_DEFAULTS[name]})
+    set the option through ``Codec.configure_serving``; else the codec's own setting. The
+    default window state is not applied over stream states already made in another layout."""
+    caller_set = set(codec.serving_set)
+    tr = codec.quantizer.post_module
+    try:
+        for name, env_value in (("window_state", window_state_default()),
+                                ("transformer_kernels", transformer_kernels_default()),
+                                ("tconv_snake", tconv_snake_default())):
+            value = env_value
+            if value is None and triton_path and name not in caller_set:
+                value = SERVING_DEFAULTS[name]
+                if name == "window_state" and tr.states_made and tr.window_state != value:
+                    # stream states exist in the current layout (kv and ring states have the same
+                    # tensors, ordered differently): the default does not reorder them
+                    log.warning("codec window state stays %r: stream states were made before the "
+                                "serving defaults (set SHOAL_CODEC_WINDOW_STATE or "
+                                "configure_serving(window_state=) before making states)", tr.window_state)
+                    continue
+            if value is not None:
+                codec.configure_serving(**{name: value})
+    finally:  # neither the defaults nor the environment count as the caller's choice
+        codec.serving_set.clear()
+        codec.serving_set.update(caller_set)
 
 
 def configure_serving_layout(codec: Codec) -> str:
