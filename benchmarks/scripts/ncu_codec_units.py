@@ -57,6 +57,7 @@ def main() -> int:
     import torch
 
     from shoal.kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
+    from shoal.bench.kernels_codec_conv import unit_inputs
     from shoal.kernels.codec_unit import residual_unit_triton
 
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -64,15 +65,7 @@ def main() -> int:
     launches = []
 
     def unit(C: int, d: int = 1):
-        k, pad, L = 7, 6 * d, POSITIONS[C]
-        x = torch.randn(BATCH, L + pad, C, device=dev, dtype=dt).transpose(1, 2)
-        w7 = pack_conv_weight(torch.randn(C, C, k, device=dev, dtype=dt) / (C * k) ** 0.5)
-        w1 = pack_conv_weight(torch.randn(C, C, 1, device=dev, dtype=dt) / C ** 0.5)
-        b7, b1 = (torch.randn(C, device=dev, dtype=dt) for _ in range(2))
-        a2, an = (torch.rand(C, device=dev, dtype=dt) + 0.5 for _ in range(2))
-        h = torch.randn(BATCH, L, C, device=dev, dtype=dt).transpose(1, 2)
-        h_new = torch.empty_like(h)
-        body = torch.empty(BATCH, L + pad, C, device=dev, dtype=dt).transpose(1, 2)[..., pad:]
+        x, w7, b7, a2, w1, b1, h, h_new, an, body = unit_inputs(C, BATCH, POSITIONS[C], d, dt, dev)
         return f"unit {C} ch d={d}", lambda: residual_unit_triton(x, w7, b7, d, a2, w1, b1, h, out=h_new,
                                                                   snake_alpha=an, snake_out=body)
 

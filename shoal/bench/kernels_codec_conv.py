@@ -156,6 +156,24 @@ UNIT_CONFIGS = {
 }
 
 
+def unit_inputs(C: int, B: int, L: int, dilation: int, dtype, dev: torch.device) -> tuple:
+    """Random operands of one k=7 residual unit over ``B`` streams of ``L`` output positions,
+    in the argument order of ``residual_unit_triton``: ``(x, w7, b7, alpha2, w1, b1, residual,
+    out, snake_alpha, snake_out)`` (channels-last activations, packed weights; ``snake_out`` a
+    view after the next conv's left context, as in the decoder)."""
+    from ..kernels.codec_conv import pack_conv_weight
+
+    k, pad = 7, 6 * dilation
+    x = torch.randn(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)
+    w7 = pack_conv_weight(torch.randn(C, C, k, device=dev, dtype=dtype) / (C * k) ** 0.5)
+    w1 = pack_conv_weight(torch.randn(C, C, 1, device=dev, dtype=dtype) / C ** 0.5)
+    b7, b1 = (torch.randn(C, device=dev, dtype=dtype) for _ in range(2))
+    a2, an = (torch.rand(C, device=dev, dtype=dtype) + 0.5 for _ in range(2))
+    h = torch.randn(B, L, C, device=dev, dtype=dtype).transpose(1, 2)
+    body = torch.empty(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)[..., pad:]
+    return x, w7, b7, a2, w1, b1, h, torch.empty_like(h), an, body
+
+
 def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, configs=None,
                fused_k1_configs=(), device: str = "cuda") -> dict:
     """One residual unit at a real call's size: the ``fused`` mode's two kernels (k7 conv; k1
@@ -164,21 +182,12 @@ def bench_unit(C: int, B: int, L: int, dilation: int, dtype=torch.bfloat16, conf
     against the ``k1`` mode's three kernels (k7 conv, Snake kernel, k1 conv) and the fp32
     PyTorch reference (largest differences). ``fused_k1_configs``: tiles for the ``fused``
     path's k1 conv (the Snake on its input tiles) checked the same way."""
-    from ..kernels.codec_conv import conv1d_cl_triton, pack_conv_weight
+    from ..kernels.codec_conv import conv1d_cl_triton
     from ..kernels.codec_unit import residual_unit_ref, residual_unit_triton
     from ..kernels.snake import snake as snake_op
 
-    dev = torch.device(device)
-    k, pad = 7, 6 * dilation
-    x = torch.randn(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)
-    w7 = pack_conv_weight(torch.randn(C, C, k, device=dev, dtype=dtype) / (C * k) ** 0.5)
-    w1 = pack_conv_weight(torch.randn(C, C, 1, device=dev, dtype=dtype) / C ** 0.5)
-    b7, b1 = (torch.randn(C, device=dev, dtype=dtype) for _ in range(2))
-    a2, an = (torch.rand(C, device=dev, dtype=dtype) + 0.5 for _ in range(2))
-    h = torch.randn(B, L, C, device=dev, dtype=dtype).transpose(1, 2)
-    h_new = torch.empty_like(h)
-    nbuf = torch.empty(B, L + pad, C, device=dev, dtype=dtype).transpose(1, 2)
-    body = nbuf[..., pad:]
+    x, w7, b7, a2, w1, b1, h, h_new, an, body = unit_inputs(C, B, L, dilation, dtype, torch.device(device))
+    k = w7.shape[0]
 
     def two():
         a = conv1d_cl_triton(x, w7, b7, dilation)

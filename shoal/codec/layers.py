@@ -897,8 +897,8 @@ class WindowLimitedTransformer(StreamingModule):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.window_state = "kv"  # Codec.configure_serving(window_state=...), before new_state
         self.kernels = False  # Codec.configure_serving(transformer_kernels=...)
-        # whether any stream state was laid out for the current window_state (the serving
-        # defaults do not change the window state under existing states)
+        # set by StreamingDecoder.new_state once a real state is laid out in the current
+        # window_state (the serving defaults do not change the window state under it)
         self.states_made = False
 
     def _rope(self, n: int, device) -> Tensor:
@@ -1089,8 +1089,6 @@ class WindowLimitedTransformer(StreamingModule):
         return n
 
     def init_stream_state(self, batch_size, device, dtype):
-        if torch.device(device).type != "meta":  # meta: a layout, no state (see new_state)
-            self.states_made = True
         key = self.state_key
         P = self.window - 1
         out = {f"{key}.pos": torch.zeros(batch_size, dtype=torch.long, device=device)}

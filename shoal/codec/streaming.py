@@ -637,9 +637,10 @@ def configure_serving_layout(codec: Codec) -> str:
     if codec.device.type == "cuda":
         codec.configure_serving(group_positions=group_positions_default(),
                                 group_head_blocks=env_int("SHOAL_CODEC_GROUP_HEAD_BLOCKS", 1))
-    apply_serving_defaults(codec, codec.device.type == "cuda" and codec_conv_enabled(codec.dtype))
     # the decode side's precision (a codec may encode in fp32 and decode in bf16)
-    if codec.device.type == "cuda" and codec_conv_enabled(codec.dtype):
+    triton_path = codec.device.type == "cuda" and codec_conv_enabled(codec.dtype)
+    apply_serving_defaults(codec, triton_path)
+    if triton_path:
         codec.configure_serving(channels_last=True, triton_conv=True, snake_epilogue=snake_epilogue_mode())
         pack_conv_weights(codec)
         return "triton"
