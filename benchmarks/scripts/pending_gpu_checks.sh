@@ -22,8 +22,7 @@
 #      W8A8 linear (benchmarks/scripts/fp8h_probe.py);
 #   7. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
 #      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
-# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu (fp8h and
-# fp8h_engine run only when named: the fp8h GEMM probe, the FP8 engine on e4m3 vs fp16 activations); e.g.
+# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu; e.g.
 # back-to-back calls on one warm machine (it goes back after 30 s idle): PARTS="engine modes audio",
 # then PARTS="snr occ" (what the ninth session left unmeasured). AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
@@ -50,11 +49,6 @@ if part fp8h; then  # the FP8-weight / fp16-activation GEMM against the W8A8 lin
     timeout "${FP8H_TIMEOUT:-300}" python benchmarks/scripts/fp8h_probe.py --budget-s "${FP8H_BUDGET:-230}" 2>&1 \
         | grep -v Warn | tail -14
     echo "[t=$SECONDS]"
-fi
-if part fp8h_engine; then  # the FP8 engine (FP8 KV cache) on e4m3 vs fp16 activations, interleaved
-    for tag in e4m3 fp16 e4m3b fp16b; do
-        SHOAL_FP8_ACT=${tag%b} engine 140 "eng-fp8-act-$tag" --quantization fp8 --kv-cache-dtype fp8
-    done
 fi
 part tests && timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
     tests/test_codec_unit.py::test_gpu_graphed_unit_decoder_equals_k1 -k gpu 2>&1 | tail -6

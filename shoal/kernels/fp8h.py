@@ -37,7 +37,7 @@ from torch import Tensor
 from .fp8 import (BLOCK, _cdiv, _launch_reduce, _out_buffer, _require_triton, _tile_counters, _tma_ok, check_weight)
 from .paged_attention import HAS_TRITON, pdl_options, tl, triton
 
-__all__ = ["f16_shift_for", "fp16_weight_scales", "fp8h_config", "to_f16_act", "to_f16_act_ref", "fp8h_finish_config", "fp8h_gemm_ref", "fp8h_gemm_triton"]
+__all__ = ["fp16_weight_scales", "fp8h_config", "fp8h_finish_config", "fp8h_gemm_ref", "fp8h_gemm_triton"]
 
 FP16_MIN_NORMAL = 2.0 ** -14
 
@@ -136,50 +136,6 @@ if HAS_TRITON:
         _gemm_epilogue(acc, y_ptr, part_ptr, cnt_ptr, offs_m[None, :] * stride_ym + offs_n[:, None],
                        offs_m[None, :] * N + offs_n[:, None], n_mask[:, None] & m_mask[None, :], M * N, pid_k,
                        pid_m * tl.num_programs(0) + pid_n, SPLIT_K, FUSED_REDUCE)
-
-    @triton.jit
-    def _to_f16_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, mul, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        pdl_enter(PDL)
-        m = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        msk = offs < K
-        v = tl.load(x_ptr + m * stride_xm + offs, mask=msk, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m * stride_ym + offs, (v * mul).to(tl.float16), mask=msk)
-
-
-def to_f16_act_ref(x: Tensor, shift: int) -> Tensor:
-    """The fp16 activation of a bf16 ``x``: ``fp16(x * 2^-shift)`` (one rounding, exact while the
-    scaled value is in fp16's normal range)."""
-    return (x.float() * (2.0 ** -shift)).to(torch.float16)
-
-
-def to_f16_act(x: Tensor, shift: int) -> Tensor:
-    """:func:`to_f16_act_ref` of ``x [M, K]``; one Triton launch when Triton can run."""
-    from .fp8 import use_triton
-
-    if x.dim() != 2:
-        raise ValueError(f"to_f16_act: x must be [M, K], got {tuple(x.shape)}")
-    if not use_triton(x):
-        return to_f16_act_ref(x, shift)
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        x = x.contiguous()
-    M, K = x.shape
-    y = torch.empty(M, K, dtype=torch.float16, device=x.device)
-    if M == 0 or K == 0:
-        return y
-    block = min(1024, 1 << max(0, K - 1).bit_length())
-    _to_f16_kernel[(M, _cdiv(K, block))](x, y, K, x.stride(0), y.stride(0), 2.0 ** -shift, BLOCK=block,
-                                         **({} if not x.is_cuda else {"num_warps": 4, **pdl_options(x)}))
-    return y
-
-
-def f16_shift_for(bound: float, *, headroom: float = 2.0) -> int:
-    """The smallest S >= 0 with ``bound * headroom <= 65504 * 2^S``: the power-of-two scale that
-    keeps an activation known to satisfy ``|x| <= bound`` inside fp16's range."""
-    if not math.isfinite(bound) or bound < 0:
-        raise ValueError(f"f16_shift_for: bound must be finite and >= 0, got {bound}")
-    need = bound * headroom / 65504.0
-    return 0 if need <= 1.0 else math.ceil(math.log2(need))
 
 
 def fp8h_finish_config(cfg: dict, K: int) -> dict:

@@ -323,12 +323,8 @@ if HAS_TRITON:
         STORE_OUT: tl.constexpr,
         QUANT: tl.constexpr,
         PDL: tl.constexpr = False,
-        OUT_MUL: tl.constexpr = False,
-        out_mul=1.0,
     ):
         pdl_enter(PDL)
-        # OUT_MUL: the stored output is the rounded row times out_mul (a power of two: the fp16
-        # activation of shoal.kernels.fp8h, scaled into fp16's range)
         # SPLIT > 1: x is an FP8 GEMM's fp32 split-K partials (stride_xs apart), summed and
         # rounded to bf16 on load (_load_gemm_out). QUANT: also write the 1x128 e4m3
         # quantization of the output row (q, one fp32 scale per group; quantize_act's
@@ -356,10 +352,7 @@ if HAS_TRITON:
         normed = _round(h * rs, HDT)
         o = _round(normed * w, ODT)
         if STORE_OUT:
-            if OUT_MUL:
-                tl.store(out_ptr + row * stride_o + offs, (o * out_mul).to(out_ptr.dtype.element_ty), mask=m)
-            else:
-                tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
         if QUANT:  # lanes past n_cols hold 0 (masked loads), as quantize_act pads a ragged group
             g = tl.arange(0, BLOCK // 128)
             k2 = g[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -492,8 +485,6 @@ if HAS_TRITON:
         DT: tl.constexpr,
         ACCURATE_EXP: tl.constexpr,
         PDL: tl.constexpr = False,
-        OUT_MUL: tl.constexpr = False,
-        out_mul=1.0,
     ):
         pdl_enter(PDL)
         row = tl.program_id(0).to(tl.int64)
@@ -507,8 +498,6 @@ if HAS_TRITON:
             e = tl.exp(-g)
         s = _round(tl.math.div_rn(g, 1.0 + e), DT)
         o = _round(s * u, DT)
-        if OUT_MUL:
-            o = o * out_mul
         tl.store(out_ptr + row * stride_o + offs, o.to(out_ptr.dtype.element_ty), mask=m)
 
     def _fast_program_impl(GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -663,12 +652,10 @@ def _rmsnorm_launch(dim: int) -> tuple[int, int]:
 
 def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *,
                        out: Tensor | None = None, h_out: Tensor | None = None,
-                       residual_scale: Tensor | None = None, f16_shift: int | None = None) -> tuple[Tensor, Tensor]:
+                       residual_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Kernel version of :func:`add_rmsnorm_ref`. ``out`` / ``h_out`` (optional) receive
     ``normed`` / ``h``; ``h_out`` may be ``residual`` or ``x`` itself (in place).
-    ``residual_scale``: [dim] in x's dtype (needs a residual). ``f16_shift`` (S): ``normed`` is
-    returned as the fp16 activation of :mod:`shoal.kernels.fp8h`, ``fp16(normed * 2^-S)`` (the
-    rounded row times a power of two, exact while it stays in fp16's normal range)."""
+    ``residual_scale``: [dim] in x's dtype (needs a residual)."""
     _require_kernel(x)
     _check_dtype("x", x)
     dim = x.shape[-1]
@@ -690,16 +677,15 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     if out_dtype not in _DT_CODE:
         raise ValueError(f"unsupported output dtype {out_dtype}")
-    store_dtype = out_dtype if f16_shift is None else torch.float16
     x2 = _rows(x, dim)
     rows = x2.shape[0]
     r2 = None if residual is None else _rows(residual, dim)
     w = weight if weight.stride(0) == 1 else weight.contiguous()
 
     if out is None:
-        out = torch.empty(x.shape, dtype=store_dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != store_dtype:
-        raise ValueError(f"out must be {tuple(x.shape)} {store_dtype}")
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != out_dtype:
+        raise ValueError(f"out must be {tuple(x.shape)} {out_dtype}")
     o2 = out.view(-1, dim)
     if residual is None:
         h = x
@@ -728,8 +714,6 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor | None, weight: Tensor, eps: 
         SPLIT=1,
         STORE_OUT=True,
         QUANT=False,
-        OUT_MUL=f16_shift is not None,
-        out_mul=2.0 ** -(f16_shift or 0),
         **_launch_opts(nw, x2),
     )
     return out, h
@@ -976,10 +960,8 @@ def qk_norm_rope_write(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache
 # --------------------------------------------------------------------------------------
 
 
-def silu_mul_triton(gate_up: Tensor, *, out: Tensor | None = None, block: int = 1024,
-                    f16_shift: int | None = None) -> Tensor:
-    """Kernel version of :func:`silu_mul_ref`. ``f16_shift`` (S): the result is returned as the
-    fp16 activation of :mod:`shoal.kernels.fp8h`, ``fp16(silu_mul * 2^-S)``."""
+def silu_mul_triton(gate_up: Tensor, *, out: Tensor | None = None, block: int = 1024) -> Tensor:
+    """Kernel version of :func:`silu_mul_ref`."""
     interpret = _require_kernel(gate_up)
     _check_dtype("gate_up", gate_up)
     two_i = gate_up.shape[-1]
@@ -991,11 +973,10 @@ def silu_mul_triton(gate_up: Tensor, *, out: Tensor | None = None, block: int = 
         gu = gu.contiguous()
     rows = gu.shape[0]
     shape = (*gate_up.shape[:-1], inter)
-    store_dtype = gate_up.dtype if f16_shift is None else torch.float16
     if out is None:
-        out = torch.empty(shape, dtype=store_dtype, device=gate_up.device)
-    elif out.shape != shape or out.dtype != store_dtype:
-        raise ValueError(f"out must be {shape} {store_dtype}")
+        out = torch.empty(shape, dtype=gate_up.dtype, device=gate_up.device)
+    elif out.shape != shape or out.dtype != gate_up.dtype:
+        raise ValueError(f"out must be {shape} {gate_up.dtype}")
     o2 = out.view(-1, inter)
     if o2.stride(-1) != 1:
         raise ValueError("out must be contiguous in the last dimension")
@@ -1008,8 +989,6 @@ def silu_mul_triton(gate_up: Tensor, *, out: Tensor | None = None, block: int = 
         DT=_DT_CODE[gate_up.dtype],
         # libdevice has no interpreter implementation; the interpreter's exp is numpy's.
         ACCURATE_EXP=not interpret,
-        OUT_MUL=f16_shift is not None,
-        out_mul=2.0 ** -(f16_shift or 0),
         **_launch_opts(4 if block >= 512 else 1, gu),
     )
     return out

@@ -178,10 +178,6 @@ class DualAR(nn.Module):
                 ff.w13 = w13
                 ff.w1.weight = nn.Parameter(w13[:inter], requires_grad=False)
                 ff.w3.weight = nn.Parameter(w13[inter:], requires_grad=False)
-        from ..kernels import fp8_fused
-
-        if fp8_fused.f16_requested():  # SHOAL_FP8_ACT=fp16: FP8 weights x fp16 activations (kernels/fp8h.py)
-            fp8_fused.enable_f16(self)
 
     def _layers_fused(self, x: Tensor, layers: nn.ModuleList, positions: Tensor, rope: Tensor,
                       backend, *, final_norm: Tensor | None = None,
@@ -207,8 +203,7 @@ class DualAR(nn.Module):
         # to the kernel that reads them (fp8_fused); bit-identical to the unfused FP8 kernels
         fp8 = self.fp8_fusion and fp8_fused.active(layers, h)
         if fp8:
-            h, act = fp8_fused.norm_quant(h, None, layers[0].attention_norm.weight, eps,
-                                          consumer=layers[0].attention.wqkv)
+            h, act = fp8_fused.norm_quant(h, None, layers[0].attention_norm.weight, eps)
         else:
             normed, h = add_rmsnorm(h, None, layers[0].attention_norm.weight, eps)
         for i, layer in enumerate(layers):
@@ -233,7 +228,7 @@ class DualAR(nn.Module):
             ff = layer.feed_forward
             if fp8:
                 a = fp8_fused.project(att.wo, y.reshape(N, sh.q_size))
-                h, act = fp8_fused.norm_quant(a, h, layer.ffn_norm.weight, eps, consumer=ff.w13_fp8)
+                h, act = fp8_fused.norm_quant(a, h, layer.ffn_norm.weight, eps)
                 f = fp8_fused.mlp(ff, act, partials=i + 1 < len(layers))  # last layer: bf16 for h + f
             else:
                 a = _linear(att.wo, y.reshape(N, sh.q_size))
@@ -248,8 +243,7 @@ class DualAR(nn.Module):
                     f = _linear(ff.w2, dense_swiglu(normed, ff.w13))
             if i + 1 < len(layers):
                 if fp8:
-                    h, act = fp8_fused.norm_quant(f, h, layers[i + 1].attention_norm.weight, eps,
-                                                  consumer=layers[i + 1].attention.wqkv)
+                    h, act = fp8_fused.norm_quant(f, h, layers[i + 1].attention_norm.weight, eps)
                 else:
                     normed, h = add_rmsnorm(f, h, layers[i + 1].attention_norm.weight, eps)
             elif final_norm is not None:
