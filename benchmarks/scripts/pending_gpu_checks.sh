@@ -18,8 +18,6 @@
 #      (benchmarks/scripts/codec_modes.py); (snr) the bf16 serving decoder's error against the
 #      fp32 one-shot decode per configuration (benchmarks/scripts/codec_serving_snr.py); (audio) the engine with audio out at c=64, 4 voices;
 #   6. (occ) the unit kernels' tiles x register caps (benchmarks/scripts/unit_occupancy_probe.py);
-#   0. (fp8h, only when named in PARTS) the FP8-weight / fp16-activation decode GEMM against the
-#      W8A8 linear (benchmarks/scripts/fp8h_probe.py);
 #   7. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
 #      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
 # PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu; e.g.
@@ -44,11 +42,6 @@ engine() {  # engine TIMEOUT TAG [ARGS...]
         --out "/tmp/r/$2" "${@:3}" 2>&1 | grep -E "c=|Error|error" | tail -6
     keep
 }
-if part fp8h; then  # the FP8-weight / fp16-activation GEMM against the W8A8 linear (shoal.kernels.fp8h)
-    timeout "${FP8H_TIMEOUT:-300}" python benchmarks/scripts/fp8h_probe.py --budget-s "${FP8H_BUDGET:-230}" 2>&1 \
-        | grep -v Warn | tail -14
-    echo "[t=$SECONDS]"
-fi
 part tests && timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
     tests/test_codec_unit.py::test_gpu_graphed_unit_decoder_equals_k1 -k gpu 2>&1 | tail -6
 echo "[t=$SECONDS]"
