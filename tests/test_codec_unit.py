@@ -191,6 +191,24 @@ def test_split_tiles():
         assert cu.unit_config(c)[1] + cu.unit_config(c)[7] >= c
 
 
+def test_default_register_cap(monkeypatch):
+    """The 96-channel (transposed) unit's 16-bit tiles are capped at 168 registers by default;
+    the direct form and fp32 are not; SHOAL_UNIT_MAXNREG overrides both ways."""
+    from shoal.kernels import codec_unit as cu
+
+    monkeypatch.delenv("SHOAL_UNIT_MAXNREG", raising=False)
+    assert cu.default_maxnreg(True, torch.bfloat16) == cu.TRANS_MAXNREG == 168
+    assert cu.default_maxnreg(True, torch.float16) == 168
+    assert cu.default_maxnreg(True, torch.float32) == 0
+    assert cu.default_maxnreg(False, torch.bfloat16) == 0
+    assert cu.default_k1_trans(cu.full_config(cu.unit_config(96))[-1])  # 96 channels: transposed
+    assert not cu.default_k1_trans(cu.full_config(cu.unit_config(192))[-1])
+    monkeypatch.setenv("SHOAL_UNIT_MAXNREG", "0")
+    assert cu.default_maxnreg(True, torch.bfloat16) == 0
+    monkeypatch.setenv("SHOAL_UNIT_MAXNREG", "200")
+    assert cu.default_maxnreg(False, torch.bfloat16) == 200
+
+
 def test_serving_defaults(monkeypatch):
     """On the Triton decode path the serving layout picks the measured defaults (ring window,
     transformer kernels, entry Snakes in the transposed convs) for options nobody set; an

@@ -291,6 +291,21 @@ def _v_descriptors(w1: Tensor, bn: int, bn2: int) -> tuple:
                  for r, c in ((bn, bn), (bn2, bn), (bn, bn2), (bn2, bn2)))
 
 
+TRANS_MAXNREG = 168
+
+
+def default_maxnreg(k1_trans: bool, dtype: torch.dtype) -> int:
+    """The unit kernel's register cap per thread (0: none). Env ``SHOAL_UNIT_MAXNREG`` (N: that
+    cap for every unit, 0: none) wins. Default: :data:`TRANS_MAXNREG` for the transposed form in
+    bf16 / fp16 (the 96-channel unit: 2.35 -> 2.19 ms at a 64 x 32-frame call on an H100, bit for
+    bit, with ~68 bytes of spills), none for the direct form (the 192-channel unit ran 3.23 ->
+    3.74-4.18 ms under a cap of 168) or fp32."""
+    cap = env_int("SHOAL_UNIT_MAXNREG", -1)
+    if cap >= 0:
+        return cap
+    return TRANS_MAXNREG if k1_trans and dtype in (torch.bfloat16, torch.float16) else 0
+
+
 def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int, alpha2: Tensor,
                          w1: Tensor, b1: Tensor | None, residual: Tensor, *,
                          out: Tensor | None = None, snake_alpha: Tensor | None = None,
@@ -310,9 +325,10 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     ``k1_early`` runs the second output tile's k=1 products before the first tile's epilogue
     (direct form only; no faster on an H100; default: env
     ``SHOAL_UNIT_K1_EARLY``, off): the same products in the same order, fewer live registers.
-    ``maxnreg`` caps the registers per thread (Triton's compile option; default: env
-    ``SHOAL_UNIT_MAXNREG``, unset: no cap, and the tiles take 255, so two 4-warp programs fit an
-    SM); a GPU-only probe of more programs per SM at the price of a few spills. Same bits."""
+    ``maxnreg`` caps the registers per thread (Triton's compile option; default
+    :func:`default_maxnreg`: 168 for the transposed form's 16-bit tiles, the 96-channel units,
+    where three programs then share an SM; no cap elsewhere, where the tiles take 255 and two
+    4-warp programs fit). Same bits."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -368,7 +384,7 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
         opts["num_stages"] = stages
         opts["enable_fp_fusion"] = False
         if maxnreg is None:
-            maxnreg = env_int("SHOAL_UNIT_MAXNREG", 0)
+            maxnreg = default_maxnreg(bool(k1_trans), x.dtype)
         if maxnreg:
             opts["maxnreg"] = int(maxnreg)
     consts = dict(K=K, DIL=dilation, WRITE_O=write_out, SNAKE=snake_alpha is not None,
