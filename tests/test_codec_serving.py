@@ -602,9 +602,14 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
     from shoal.codec.streaming import pack_conv_weights
     from shoal.kernels.codec_conv import pack_conv_weight
 
-    c = copy.deepcopy(codec).configure_serving(channels_last=True, triton_conv=True)
+    c = copy.deepcopy(codec)
+    ptrs0 = {id(m): m.conv.weight.data_ptr() for m in c.decoder.modules()
+             if isinstance(m, (CausalConv1d, CausalConvTranspose1d))}
+    c.configure_serving(channels_last=True, triton_conv=True)
     weights = {id(m): (m.conv.weight.detach().clone(), m.conv.weight.data_ptr())
                for m in c.decoder.modules() if isinstance(m, (CausalConv1d, CausalConvTranspose1d))}
+    # the channels-last layout written over each weight's own storage (no freed block left)
+    assert {k: p for k, (_, p) in weights.items()} == ptrs0
     n = pack_conv_weights(c)
     convs = [m for m in c.decoder.modules() if getattr(m, "shares_packed_weight", False)]
     assert convs and n == sum(m.packed_weight().numel() * m.packed_weight().element_size() for m in convs)
@@ -613,7 +618,7 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
         assert m.packed_weight() is before  # not packed again
         w0, ptr0 = weights[id(m)]
         if isinstance(m, CausalConv1d):  # one copy: the weight is a view of its packed form
-            assert m.conv.weight.data_ptr() == before.data_ptr()
+            assert m.conv.weight.data_ptr() == before.data_ptr() == ptr0  # packed in place
             assert torch.equal(m.conv.weight, w0)
             assert torch.equal(before, pack_conv_weight(m.conv.weight.detach()))
         else:  # one copy: the packed form over the weight's own storage, the parameter empty
@@ -639,6 +644,45 @@ def test_conv_weights_packed_ahead_of_the_first_call(codec):
         assert torch.equal(m.conv.weight, weights[id(m)][0])
     assert all(not m.shares_packed_weight and m.conv.weight.is_contiguous() for m in convs2)
     assert sorted(m.conv.weight.numel() for m in convs2) == sorted(w.numel() for w, _ in weights.values())
+
+
+def test_rewrite_in_own_storage_only_where_nothing_else_reads_it():
+    """A weight's new layout goes over its own storage only when the weight is the storage's
+    only tensor: an alias (a view, ``.data``, a detached reader) keeps its values, the weight
+    then gets a new tensor; the values are the new layout's either way."""
+    from shoal.codec.layers import CausalConv1d, rewrite_in_own_storage
+
+    torch.manual_seed(0)
+    conv = CausalConv1d(8, 6, 7, weight_norm=False)
+    w = conv.conv.weight
+    ptr, ref = w.data_ptr(), w.detach().clone()
+    cl = w.detach().unsqueeze(2).contiguous(memory_format=torch.channels_last).squeeze(2)
+    stride = cl.stride()
+    w.data = rewrite_in_own_storage(w, cl)
+    del cl
+    assert w.data_ptr() == ptr and w.stride() == stride and torch.equal(w, ref)
+    # the packed form over the same storage, conv.weight a view of it with the same values
+    packed = conv.share_packed_weight()
+    assert packed.data_ptr() == ptr and conv.shares_packed_weight and torch.equal(conv.conv.weight, ref)
+    x = torch.randn(2, 8, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(conv(x), torch.nn.functional.conv1d(torch.nn.functional.pad(x, (6, 0)),
+                                                                       ref, conv.conv.bias))
+    # an alias alive: nothing is rewritten under it
+    other = CausalConv1d(8, 6, 7, weight_norm=False)
+    reader = other.conv.weight.detach()
+    keep = reader.clone()
+    got = other.share_packed_weight()
+    assert got.data_ptr() != reader.data_ptr() and torch.equal(reader, keep)
+    assert torch.equal(other.conv.weight, keep)
+    # shapes, dtypes or storages that do not match: the new tensor itself
+    t = torch.randn(4, 5)
+    for new in (torch.randn(5, 5), torch.randn(4, 5, dtype=torch.float64), t[:, :4].contiguous().T[:, :5]):
+        assert rewrite_in_own_storage(t, new) is new
+    big = torch.randn(40)
+    view = big[:20]
+    del big
+    assert rewrite_in_own_storage(view, torch.randn(20)) is not view  # a view of a larger storage
 
 
 def _transposed(dt=torch.float32, ci=12, co=8, st=4, seed=3):

@@ -312,6 +312,52 @@ def extra_padding_for_conv1d(length: int, kernel_size: int, stride: int, padding
     return ideal_length - length
 
 
+def _sole_tensor_of_storage(t: Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its storage (no view, alias or ``.data`` of it alive
+    elsewhere). False where PyTorch does not tell."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return False
+    try:
+        # the storage wrapper made here holds one reference of its own
+        return count(t.untyped_storage()._cdata) == 2
+    except Exception:  # noqa: BLE001 - an internal API: anything unexpected means "do not know"
+        return False
+
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots of its storage (any order)."""
+    expected = 1
+    for i in sorted(range(t.dim()), key=t.stride):
+        if t.shape[i] != 1 and t.stride(i) != expected:
+            return False
+        expected *= t.shape[i]
+    return True
+
+
+def rewrite_in_own_storage(old: Tensor, new: Tensor) -> Tensor:
+    """``new``'s values in ``new``'s shape and strides, written over ``old``'s storage when
+    ``old`` is the only tensor on a storage of exactly its elements and ``new`` is a dense layout
+    of as many elements of the same dtype and device; else ``new`` itself. A weight moved to
+    another layout (channels-last, the Triton convs' packed form) this way leaves no freed
+    block behind: freed blocks between live weights stay reserved by the allocator (20-40 MiB
+    for the real codec's decode side, docs/benchmarks.md 2026-12-07). Pass the tensor itself
+    (a parameter), not ``.data``: an alias makes the storage shared, and nothing is rewritten.
+    Once rewritten, ``old``'s own view reads the new layout's bytes: point it at the result
+    (``param.data = rewrite_in_own_storage(param, new)``)."""
+    fits = (old.storage_offset() == 0 and old.numel() == new.numel() and old.dtype == new.dtype
+            and old.device == new.device and _dense(new)
+            and old.untyped_storage().nbytes() == old.numel() * old.element_size()
+            and old.untyped_storage().data_ptr() != new.untyped_storage().data_ptr()
+            and _sole_tensor_of_storage(old))
+    if not fits:
+        return new
+    with torch.no_grad():
+        own = torch.empty(0, dtype=old.dtype, device=old.device).set_(old.untyped_storage(), 0, new.shape, new.stride())
+        own.copy_(new)
+    return own
+
+
 class CausalConv1d(StreamingModule):
     """Causal conv: left pad ``(k-1)·dilation + 1 − stride`` zeros plus right pad to whole frames.
 
@@ -351,11 +397,12 @@ class CausalConv1d(StreamingModule):
         ``state_dict()``: make it contiguous before saving it with safetensors).
         ``Codec.configure_serving(channels_last=...)`` leaves a shared weight where it is while
         the Triton conv is on; ``triton_conv=False`` undoes the sharing."""
-        packed = self.packed_weight()
         w = self.conv.weight
-        if w.data_ptr() != packed.data_ptr():
-            w.data = packed.permute(2, 1, 0)
-            self._packed = ((w.data_ptr(), w.dtype, w.device, w._version), packed)
+        if self.shares_packed_weight:
+            return self._packed[1]
+        packed = rewrite_in_own_storage(w, self.packed_weight())  # no freed block left
+        w.data = packed.permute(2, 1, 0)
+        self._packed = ((w.data_ptr(), w.dtype, w.device, w._version), packed)
         return packed
 
     @property
@@ -491,13 +538,8 @@ class CausalConvTranspose1d(StreamingModule):
         w = self.conv.weight
         self._full_shape = tuple(w.shape)
         packed = self.packed_weight()
-        wd = w.data
-        dense = (wd.storage_offset() == 0 and 0 not in wd.stride()
-                 and wd.untyped_storage().nbytes() == wd.numel() * wd.element_size())
-        if dense:  # the packed values into the weight's own storage, the temporary freed
-            own = torch.empty(0, dtype=wd.dtype, device=wd.device).set_(wd.untyped_storage(), 0, packed.shape)
-            own.copy_(packed)
-            packed = own
+        # the packed values into the weight's own storage, the temporary freed
+        packed = rewrite_in_own_storage(w, packed)
         self._packed_w = packed
         self._packed = None
         w.data = packed.new_empty(0)

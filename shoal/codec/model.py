@@ -28,6 +28,7 @@ from .layers import (
     StreamState,
     WindowLimitedTransformer,
     assign_state_keys,
+    rewrite_in_own_storage,
 )
 
 __all__ = ["Encoder", "Decoder", "VectorQuantize", "ResidualVectorQuantize", "DownsampleRVQ", "Codec"]
@@ -704,7 +705,7 @@ class Codec(nn.Module):
                         mod.unshare_packed_weight()  # the Triton conv goes off: cuDNN's own layout
                     # weights stored channels-last once (no per-call conversion inside cuDNN)
                     w = mod.conv.weight
-                    w.data = w.data.unsqueeze(2).contiguous(memory_format=fmt).squeeze(2)
+                    w.data = rewrite_in_own_storage(w, w.detach().unsqueeze(2).contiguous(memory_format=fmt).squeeze(2))
         if triton_conv is not None:
             for mod in self.decoder.modules():
                 if isinstance(mod, (CausalConv1d, CausalConvTranspose1d)):
