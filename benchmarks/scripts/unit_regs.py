@@ -68,6 +68,9 @@ def compile_unit(C: int, spec: str) -> tuple[int, int, int, int]:
     k = tcompile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                  options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False,
                           **({"maxnreg": maxnreg} if maxnreg else {})})
+    if os.environ.get("UNIT_REGS_PTX"):  # keep the PTX for reading (setmaxnreg, barriers)
+        with open(os.environ["UNIT_REGS_PTX"] + f".{C}.{spec.replace(',', '_').replace(':', '-')}.ptx", "w") as f:
+            f.write(k.asm["ptx"])
     with tempfile.TemporaryDirectory() as d:
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
