@@ -318,14 +318,6 @@ def _row_descriptors(b7: Tensor, alpha2: Tensor, bn: int, bn2: int) -> tuple:
     return d(b7, bn), d(alpha2, bn), d(b7, bn2 or bn), d(alpha2, bn2 or bn)
 
 
-# the warp-specialized launch's tiles (compiled for sm_90a with Triton 3.6: 168 registers, no
-# spills; the direct form, the k=1 weight through descriptors)
-WS_CONFIGS: dict[int, tuple[int, ...]] = {
-    96: (128, 64, 32, 4, 4, 1, 1, 32),
-    192: (128, 128, 64, 4, 2, 1, 1, 64),
-}
-
-
 def ws_supported(bt: int, warps: int, tma: bool, flat: bool, k1_trans: bool, v_tma: bool) -> bool:
     """Whether the unit kernel can run warp-specialized (Triton 3.6 on sm_90a, compiled here,
     docs/benchmarks.md 2026-12-07): the flat descriptor-load loop, 4 warps (the program becomes
@@ -372,11 +364,9 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     ``maxnreg`` caps the registers per thread (Triton's compile option; default
     :func:`default_maxnreg`: 168 for the transposed form's 16-bit tiles, the 96-channel units,
     where three programs then share an SM; no cap elsewhere, where the tiles take 255 and two
-    4-warp programs fit). ``ws`` warp-specializes the k=7 loop (:func:`ws_supported`: the direct
-    form with descriptor loads, 128-row 4-warp tiles; the bias and Snake alpha then also come
-    through descriptors); elsewhere it is ignored. Default: env ``SHOAL_UNIT_WS`` (0 off, 1 every
-    unit, a channel count only those units), off; without a ``config`` it takes
-    :data:`WS_CONFIGS`' tile and the direct form. Same bits."""
+    4-warp programs fit). ``ws`` (default: env ``SHOAL_UNIT_WS``, off) warp-specializes the k=7
+    loop (:func:`ws_supported`: the direct form with descriptor loads, 128-row 4-warp tiles; the
+    bias and Snake alpha then also come through descriptors); elsewhere it is ignored. Same bits."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -408,13 +398,6 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     alpha2 = alpha2.reshape(C).contiguous()
     if snake_alpha is not None:
         snake_alpha = snake_alpha.reshape(C).contiguous()
-    if ws is None:  # env: 1 every unit with a specialized tile, C only the C-channel units
-        env_ws = env_int("SHOAL_UNIT_WS", 0)
-        ws = env_ws == 1 or env_ws == C
-    if ws and config is None and C in WS_CONFIGS:
-        config = WS_CONFIGS[C]
-        if k1_trans is None:
-            k1_trans = False
     bt, bn, bc, warps, stages, tma, flat, bn2 = full_config(config or unit_config(C))
     if bn + bn2 < C:
         raise ValueError(f"tiles {bn} + {bn2} do not cover {C} channels")
@@ -449,6 +432,8 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                   UPCAST=interpret and x.dtype != torch.float32, FLAT=bool(flat), K1_TRANS=bool(k1_trans),
                   K1_EARLY=bool(k1_early) and not k1_trans and bn2 > 0, **opts)
     v_tma = bool(v_tma) and tma and bn2 > 0
+    if ws is None:
+        ws = env_int("SHOAL_UNIT_WS", 0) != 0
     ws = bool(ws) and ws_supported(bt, warps, bool(tma), bool(flat), bool(k1_trans), v_tma)
 
     def launch(xs, w7s, w2s, rows: int, use_tma: bool) -> None:
