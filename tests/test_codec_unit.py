@@ -27,8 +27,6 @@ SHAPES = {
     "one_tile": (32, 9, (16, 32, 16, 4, 2, 0, 0, 0)),
     "two_tiles": (48, 3, (16, 32, 16, 4, 2, 0, 0, 16)),
     "two_tiles_tma_flat": (48, 1, (16, 32, 16, 4, 2, 1, 1, 16)),
-    # the warp-specialized launch's tiles (128 rows, 4 warps, descriptor loads, flat loop)
-    "ws_tiles": (48, 3, (128, 32, 16, 4, 2, 1, 1, 16)),
     "masked_second_tile": (40, 3, None),
 }
 # the k=1 conv transposed (k1_trans: the Snake'd tiles as the MMAs' second operand)
@@ -38,8 +36,6 @@ INTERP_CASES = ([f"{dt}_{s}" for dt in ("fp32", "bf16") for s in SHAPES]
                 # the k=1 weight through descriptors, the second tile's k=1 products early
                 + ["fp32_two_tiles_tma_flat_vtma_early", "bf16_two_tiles_tma_flat_vtma",
                    "bf16_two_tiles_tma_flat_early", "bf16_two_tiles_tma_flat_vtma_k1trans"]
-                # warp-specialized: the bias and Snake alpha rows through descriptors
-                + ["bf16_ws_tiles_vtma_ws", "fp32_ws_tiles_vtma_ws"]
                 + ["no_out_write", "decoder_unit_equals_module"])
 
 
@@ -66,8 +62,6 @@ def two_kernels(x, w7, b7, d, a2, w1, b1, h, an, out=None, snake_out=None, write
 
 def _unit_case(dt_name: str, shape: str) -> dict:
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt_name]
-    ws = shape.endswith("_ws")
-    shape = shape.removesuffix("_ws")
     k1_trans = shape.endswith("_k1trans")
     shape = shape.removesuffix("_k1trans")
     k1_early = shape.endswith("_early")
@@ -82,8 +76,7 @@ def _unit_case(dt_name: str, shape: str) -> dict:
     got_s = torch.full_like(want_s, float("nan"))
     got = cu.residual_unit_triton(x, cc.pack_conv_weight(w7), b7, d, a2, cc.pack_conv_weight(w1), b1, h,
                                   snake_alpha=an, snake_out=got_s, config=cfg, k1_trans=k1_trans,
-                                  v_tma=v_tma, k1_early=k1_early, ws=ws)
-    ran_ws = cu.LAST_LAUNCH.get("WS")
+                                  v_tma=v_tma, k1_early=k1_early)
     ref_h, ref_s = cu.residual_unit_ref(x, w7, b7, d, a2, w1, b1, h, an)
     # fp32: the sums agree to rounding; bf16: the interpreter's matrix products group the k=1
     # sums by tile, so a result may land one or two bf16 ulps away from the two-kernel path
@@ -95,7 +88,6 @@ def _unit_case(dt_name: str, shape: str) -> dict:
                        "snake_vs_ref": ((got_s.float() - ref_s.float()).abs().max().item(), 2 * tol)},
             "flags": {"snake_all_written": bool(torch.isfinite(got_s).all()),
                       "variant_ran": not (v_tma or k1_early) or _ran_with(v_tma, k1_early),
-                      "ws_ran": ran_ws == ws,
                       "channels_last_out": got.stride(1) == 1}}
 
 
@@ -347,25 +339,6 @@ def test_gpu_unit_switches_keep_bits(v_tma, k1_early, C, d, B, L):
                                     v_tma=vt, k1_early=ke)
         outs.append((o, s))
     assert cu.LAST_LAUNCH["V_TMA"] == v_tma
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
-@gpu
-@pytest.mark.parametrize("C,d,B,L,cfg", [(192, 3, 3, 777, (128, 128, 64, 4, 2, 1, 1, 64)),
-                                         (192, 1, 8, 2000, (128, 128, 32, 4, 4, 1, 1, 64)),
-                                         (96, 9, 16, 4096, (128, 64, 32, 4, 4, 1, 1, 32))])
-def test_gpu_unit_ws_keeps_bits(C, d, B, L, cfg):
-    """The warp-specialized launch (direct form, descriptor loads) writes the default launch's
-    bits, and it did run specialized."""
-    dt = torch.bfloat16
-    x, w7, b7, w1, b1, a2, an, h = unit_inputs(C, d, dt, seed=C * d + 1, device="cuda", B=B, L=L)
-    p7, p1 = cc.pack_conv_weight(w7), cc.pack_conv_weight(w1)
-    outs = []
-    for kw in ({}, {"config": cfg, "k1_trans": False, "v_tma": True, "ws": True}):
-        s = torch.empty(B, L, C, dtype=dt, device="cuda").transpose(1, 2)
-        o = cu.residual_unit_triton(x, p7, b7, d, a2, p1, b1, h, snake_alpha=an, snake_out=s, **kw)
-        outs.append((o, s))
-    assert cu.LAST_LAUNCH["WS"] and cu.LAST_LAUNCH["TMA"]
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 

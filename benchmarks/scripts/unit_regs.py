@@ -7,9 +7,8 @@
 with the serving launch's specialisations (bf16, K = 7, dilation 3, the SFU sine, 16-byte aligned
 pointers, strides divisible by 16, the channel stride 1), then the ``ptxas -v`` report of the
 Triton's own ptxas. A CONFIG is ``BT,BN,BC,WARPS,STAGES,TMA,FLAT,BN2`` with optional ``:trans``,
-``:vtma``, ``:early``, ``:ws``, ``:regsN`` suffixes (the k=1 conv transposed, the k=1 weight through
-descriptors, the second tile's k=1 products early, the k=7 loop warp-specialized, Triton's
-``maxnreg=N`` cap). ``UNIT_REGS_PTX=PREFIX`` also writes each config's PTX. Prints ``(registers, spill store bytes, spill load bytes,
+``:vtma``, ``:early``, ``:regsN`` suffixes (the k=1 conv transposed, the k=1 weight through
+descriptors, the second tile's k=1 products early, Triton's ``maxnreg=N`` cap). Prints ``(registers, spill store bytes, spill load bytes,
 shared memory bytes)`` per config. Use the Triton the GPU machine runs: a newer one allocates
 registers differently (Triton 3.9 reported ~2-3 KB of spills per thread for the 192-channel
 shipped tile where 3.6 reports 88 bytes, and none with ``:vtma``)."""
@@ -37,7 +36,7 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 def compile_unit(C: int, spec: str) -> tuple[int, int, int, int]:
     cfg, *flags = spec.split(":")
     bt, bn, bc, warps, stages, tma, flat, bn2 = (int(v) for v in cfg.split(","))
-    trans, vtma, early, ws = "trans" in flags, "vtma" in flags, "early" in flags, "ws" in flags
+    trans, vtma, early = "trans" in flags, "vtma" in flags, "early" in flags
     maxnreg = next((int(f[4:]) for f in flags if f.startswith("regs")), None)
     fn = cu._kernel()
     desc = lambda r, c: f"tensordesc<bf16[{r}, {c}]>"  # noqa: E731
@@ -50,8 +49,6 @@ def compile_unit(C: int, spec: str) -> tuple[int, int, int, int]:
             sig[n] = desc(bc, bn) if tma else "*bf16"
         elif n == "w2_ptr":
             sig[n] = desc(bc, bn2) if tma else "*bf16"
-        elif ws and n in ("b7_ptr", "p_ptr", "b7b_ptr", "pb_ptr"):  # rows through descriptors
-            sig[n] = desc(1, bn if n in ("b7_ptr", "p_ptr") else bn2)
         elif n in vshape:
             sig[n] = desc(*vshape[n]) if (vtma and tma) else "*bf16"
         elif n.endswith("_ptr"):
@@ -67,7 +64,7 @@ def compile_unit(C: int, spec: str) -> tuple[int, int, int, int]:
     consts = {n: 1 for n in fn.arg_names if len(n) == 3 and n[0] == "s" and n[2] == "c"}
     consts.update(K=7, DIL=3, WRITE_O=True, SNAKE=True, ACCURATE_SIN=2, BT=bt, BN=bn, BC=bc, BN2=bn2,
                   DT=cu._DT_CODE[torch.bfloat16], IEEE=False, UPCAST=False, FLAT=bool(flat), TMA=bool(tma),
-                  K1_TRANS=trans, V_TMA=vtma and bool(tma), K1_EARLY=early and not trans, WS=ws)
+                  K1_TRANS=trans, V_TMA=vtma and bool(tma), K1_EARLY=early and not trans)
     k = tcompile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=TARGET,
                  options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False,
                           **({"maxnreg": maxnreg} if maxnreg else {})})

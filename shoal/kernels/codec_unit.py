@@ -132,15 +132,9 @@ if HAS_TRITON:
         out2 = _mma(s1, v_ab, tl.zeros((BT, BN2), dtype=tl.float32), IEEE, UPCAST)
         return _mma(s2, v_bb, out2, IEEE, UPCAST)
 
-    def _mid_rows_impl(acc, bias, alpha, DT: tl.constexpr, ACCURATE_SIN: tl.constexpr):
-        """:func:`_mid` with the bias and Snake alpha already loaded as ``[1, BN]`` rows (the
-        warp-specialized launch reads them through descriptors); the same bits."""
-        a = _round(acc + bias.to(tl.float32), DT)
-        return _snake_math(a, alpha.to(tl.float32), DT, ACCURATE_SIN)
-
     def _unit_kernel(
         x_ptr, w_ptr, w2_ptr, b7_ptr, p_ptr, v_ptr, va_ptr, vb_ptr, vc_ptr, vd_ptr,
-        b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr, b7b_ptr, pb_ptr,
+        b1_ptr, r_ptr, o_ptr, a_ptr, s_ptr,
         L_out, C, n_tb, x_rows,
         sxb, sxc, sxl, srb, src, srl, sob, soc, sol, ssb, ssc, ssl,
         K: tl.constexpr,
@@ -160,7 +154,6 @@ if HAS_TRITON:
         K1_TRANS: tl.constexpr = False,
         V_TMA: tl.constexpr = False,
         K1_EARLY: tl.constexpr = False,
-        WS: tl.constexpr = False,
     ):
         pid = tl.program_id(0).to(tl.int64)
         tb = pid % n_tb
@@ -179,9 +172,7 @@ if HAS_TRITON:
             row0 = (b * x_rows + tb * BT).to(tl.int32)
             if FLAT:
                 n_cc = C // BC
-                # WS: a producer warpgroup issues the loads, two consumer warpgroups (the rows
-                # split in two) the MMAs (Triton's Hopper warp specialization)
-                for it in tl.range(0, K * n_cc, warp_specialize=WS):
+                for it in range(0, K * n_cc):
                     k = it // n_cc
                     c0 = (it % n_cc) * BC
                     a = x_ptr.load([row0 + k * DIL, c0])
@@ -215,10 +206,7 @@ if HAS_TRITON:
                     w2 = tl.load(w_ptr + wrow + n2[None, :], mask=cm[:, None] & nm2[None, :], other=0.0)
                     acc2 = _mma(a, w2, acc2, IEEE, UPCAST)
         # ---- Snake2 of the k=7 result, kept on chip in the storage dtype
-        if WS:  # a pointer load feeding the k=1 MMAs breaks Triton 3.6's specialization
-            s1 = _mid_rows(acc, b7_ptr.load([0, 0]), p_ptr.load([0, 0]), DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
-        else:
-            s1 = _mid(acc, b7_ptr, p_ptr, n, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
+        s1 = _mid(acc, b7_ptr, p_ptr, n, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
         if K1_TRANS:
             # the k=1 conv transposed, out^T = W1^T @ Snake2^T: the Snake'd tiles are the MMAs'
             # second operand (shared memory), the k=1 weight's transposed tiles the first. Same
@@ -258,11 +246,7 @@ if HAS_TRITON:
                 v_aa = tl.load(v_ptr + n[:, None] * C + n[None, :], mask=nm[:, None] & nm[None, :], other=0.0)
             out1 = _mma(s1, v_aa, tl.zeros((BT, BN), dtype=tl.float32), IEEE, UPCAST)
             if BN2 > 0:
-                if WS:
-                    s2 = _mid_rows(acc2, b7b_ptr.load([0, BN]), pb_ptr.load([0, BN]), DT,
-                                   ACCURATE_SIN).to(o_ptr.dtype.element_ty)
-                else:
-                    s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
+                s2 = _mid(acc2, b7_ptr, p_ptr, n2, C, DT, ACCURATE_SIN).to(o_ptr.dtype.element_ty)
                 if V_TMA:
                     v_ba = vb_ptr.load([BN, 0])
                 else:
@@ -288,7 +272,6 @@ if HAS_TRITON:
         from triton.runtime.jit import JITFunction as _Wrap
 
     _mid = _Wrap(_mid_impl)
-    _mid_rows = _Wrap(_mid_rows_impl)
     _k1_second = _Wrap(_k1_second_impl)
 
     @functools.cache
@@ -306,25 +289,6 @@ def _v_descriptors(w1: Tensor, bn: int, bn2: int) -> tuple:
     C = w1.shape[1]
     return tuple(TensorDescriptor(w1, [C, C], [C, 1], [r, c])
                  for r, c in ((bn, bn), (bn2, bn), (bn, bn2), (bn2, bn2)))
-
-
-def _row_descriptors(b7: Tensor, alpha2: Tensor, bn: int, bn2: int) -> tuple:
-    """Tensor descriptors of the k=7 bias and the Snake alpha as ``[1, C]`` rows, for the
-    first (``[1, BN]``) and second (``[1, BN2]``) channel tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    C = b7.numel()
-    d = lambda t, w: TensorDescriptor(t.view(1, C), [1, C], [C, 1], [1, w])  # noqa: E731
-    return d(b7, bn), d(alpha2, bn), d(b7, bn2 or bn), d(alpha2, bn2 or bn)
-
-
-def ws_supported(bt: int, warps: int, tma: bool, flat: bool, k1_trans: bool, v_tma: bool) -> bool:
-    """Whether the unit kernel can run warp-specialized (Triton 3.6 on sm_90a, compiled here,
-    docs/benchmarks.md 2026-12-07): the flat descriptor-load loop, 4 warps (the program becomes
-    a producer and two consumer warpgroups splitting the rows, so at least 128), the direct
-    form (the transposed one fails the data partition) with the k=1 weight through
-    descriptors (a pointer load feeding the MMAs after the loop fails the token lowering)."""
-    return tma and flat and warps == 4 and bt >= 128 and not k1_trans and v_tma
 
 
 TRANS_MAXNREG = 168
@@ -348,7 +312,7 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                          snake_out: Tensor | None = None, write_out: bool = True,
                          config: tuple[int, ...] | None = None, k1_trans: bool | None = None,
                          v_tma: bool | None = None, k1_early: bool | None = None,
-                         maxnreg: int | None = None, ws: bool | None = None) -> Tensor | None:
+                         maxnreg: int | None = None) -> Tensor | None:
     """One residual unit (see the module docstring); ``w7`` / ``w1`` packed by
     :func:`pack_conv_weight` (``[7, C, C]`` / ``[1, C, C]``). Writes ``h'`` into ``out`` (or a
     new channels-last tensor; skipped with ``write_out=False``) and ``Snake_snake_alpha(h')``
@@ -364,9 +328,7 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
     ``maxnreg`` caps the registers per thread (Triton's compile option; default
     :func:`default_maxnreg`: 168 for the transposed form's 16-bit tiles, the 96-channel units,
     where three programs then share an SM; no cap elsewhere, where the tiles take 255 and two
-    4-warp programs fit). ``ws`` (default: env ``SHOAL_UNIT_WS``, off) warp-specializes the k=7
-    loop (:func:`ws_supported`: the direct form with descriptor loads, 128-row 4-warp tiles; the
-    bias and Snake alpha then also come through descriptors); elsewhere it is ignored. Same bits."""
+    4-warp programs fit). Same bits."""
     _check_dtype("x", x)
     B, C, L_in = x.shape
     K = w7.shape[0]
@@ -432,23 +394,18 @@ def residual_unit_triton(x: Tensor, w7: Tensor, b7: Tensor | None, dilation: int
                   UPCAST=interpret and x.dtype != torch.float32, FLAT=bool(flat), K1_TRANS=bool(k1_trans),
                   K1_EARLY=bool(k1_early) and not k1_trans and bn2 > 0, **opts)
     v_tma = bool(v_tma) and tma and bn2 > 0
-    if ws is None:
-        ws = env_int("SHOAL_UNIT_WS", 0) != 0
-    ws = bool(ws) and ws_supported(bt, warps, bool(tma), bool(flat), bool(k1_trans), v_tma)
 
-    def launch(xs, w7s, w2s, rows: int, use_tma: bool) -> None:
+    def launch(xs, ws, w2s, rows: int, use_tma: bool) -> None:
         vs = _v_descriptors(w1, bn, bn2) if use_tma and v_tma else (w1,) * 4
-        spec = use_tma and ws
-        rows_b = _row_descriptors(b7, alpha2, bn, bn2) if spec else (b7, alpha2, b7, alpha2)
         _kernel()[(B * n_tb,)](
-            xs, w7s, w2s, rows_b[0], rows_b[1], w1, *vs, b1, residual, out,
-            snake_alpha if snake_alpha is not None else alpha2, so, rows_b[2], rows_b[3],
+            xs, ws, w2s, b7, alpha2, w1, *vs, b1, residual, out,
+            snake_alpha if snake_alpha is not None else alpha2, so,
             L_out, C, n_tb, rows,
             *x.stride(), *residual.stride(), *out.stride(), *so.stride(),
-            TMA=use_tma, V_TMA=use_tma and v_tma, WS=spec, **consts)
-        LAST_LAUNCH.update(TMA=use_tma, V_TMA=use_tma and v_tma, K1_EARLY=consts["K1_EARLY"], WS=spec)
+            TMA=use_tma, V_TMA=use_tma and v_tma, **consts)
+        LAST_LAUNCH.update(TMA=use_tma, V_TMA=use_tma and v_tma, K1_EARLY=consts["K1_EARLY"])
 
-    variant = ("unit", x.device.type, x.dtype, stages, v_tma, ws) + tuple(sorted(consts.items()))
+    variant = ("unit", x.device.type, x.dtype, stages, v_tma) + tuple(sorted(consts.items()))
     launch_with_fallback(launch, variant, tma, (tile_operands(x, w7, bt, bc, bn, bn2) if tma else ()),
                          (x, w7, w7, 0), f"codec unit ({C} channels)")
     return out if write_out else None
