@@ -19,13 +19,17 @@
 #      fp32 one-shot decode per configuration (benchmarks/scripts/codec_serving_snr.py); (audio) the engine with audio out at c=64, 4 voices;
 #   6. (occ) the unit kernels' tiles x register caps (benchmarks/scripts/unit_occupancy_probe.py);
 #   7. Nsight Compute on the codec's 96/192-channel unit kernels and k=7 convs
-#      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy).
-# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu; e.g.
-# back-to-back calls on one warm machine (it goes back after 30 s idle): PARTS="engine modes audio",
-# then PARTS="snr occ" (what the ninth session left unmeasured). AB_ROUNDS (default 2)
+#      (benchmarks/scripts/ncu_codec_units.py): what bounds them (L2, tensor pipes, occupancy);
+#   8. (mem) the codec decode path's resident memory at 64 slots in a fresh process, with the
+#      segments a second build opens listed by owner (benchmarks/scripts/codec_memory_probe.py;
+#      0.972 GiB on an H100 at 33be044).
+# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem; e.g.
+# back-to-back calls on one warm machine (it goes back after 30 s idle). What is still waiting
+# (2026-12-07, eleventh session: no H200 came): on an H200, PARTS="engine audio mem" (the #3 / #6
+# targets with the codec's current defaults, first audio at c=64, the codec's memory there). AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
-PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu} "
+PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
@@ -72,3 +76,5 @@ elif part ncu; then
     python benchmarks/scripts/ncu_codec_units.py --summarize "$OUT/ncu.csv" 2>&1 | tail -150
     echo "[t=$SECONDS]"
 fi
+part mem && timeout 120 python benchmarks/scripts/codec_memory_probe.py default 64 --segments 2>&1 | grep -v Warn | tail -14
+echo "[t=$SECONDS]"
