@@ -246,6 +246,40 @@ def test_graph_code_path_equals_eager(codec):
                 assert torch.equal(se.tensors[k], sg.tensors[k]), k
             else:
                 assert (se.tensors[k].float() - sg.tensors[k].float()).abs().max() <= 1e-4, k
+    # every call's audio went through the one shared output buffer (the graphs' last copy):
+    # the largest bucket x the longest chunk, and what the calls returned are copies of it
+    buf = gd._out_buf
+    assert buf is not None and tuple(buf.shape) == (4, 1, 8 * codec.frame_length)
+    assert b.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert torch.equal(buf[:4, :, : b.shape[-1]][:3], b)  # the last call's rows, padding row after
+
+
+def test_static_output_buffer_views(monkeypatch):
+    """The shared output buffer's views: one per (bucket, frames) call that fits its layout,
+    None for calls that do not (too long, other channels or dtype, a bigger bucket), none at
+    all with SHOAL_CODEC_STATIC_OUT=0."""
+    from shoal.bench.codec import build_codec
+    from shoal.codec import GraphedStreamingDecoder
+
+    codec = build_codec(True, torch.device("cpu"))
+    hop = codec.frame_length
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8), enabled=False)
+    like = torch.randn(4, 1, 8 * hop)
+    v = gd._out_view(like, 4, 8)
+    assert v is not None and tuple(gd._out_buf.shape) == (4, 1, 8 * hop)
+    assert v.data_ptr() == gd._out_buf.data_ptr() and tuple(v.shape) == (4, 1, 8 * hop)
+    out = gd._to_static_out(torch.randn(2, 1, 4 * hop), 2, 4)
+    assert out.data_ptr() == gd._out_buf.data_ptr() and tuple(out.shape) == (2, 1, 4 * hop)
+    assert gd._out_view(torch.randn(4, 1, 16 * hop), 4, 16) is None  # longer than the buffer
+    assert gd._out_view(torch.randn(4, 2, 4 * hop), 4, 4) is None  # other channels
+    assert gd._out_view(torch.randn(4, 1, 4 * hop, dtype=torch.float64), 4, 4) is None
+    assert gd._out_view(torch.randn(4, 1, 4 * hop + 1), 4, 4) is None  # not whole frames
+    x = torch.randn(3, 1, 4 * hop)
+    assert gd._to_static_out(x, 3, 4) is not x  # rows = bucket rows: 3 fits the 4-row buffer
+    monkeypatch.setenv("SHOAL_CODEC_STATIC_OUT", "0")
+    off = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8), enabled=False)
+    y = torch.randn(2, 1, 4 * hop)
+    assert off._to_static_out(y, 2, 4) is y and off._out_buf is None
 
 
 @golden
@@ -486,6 +520,36 @@ def _graph_vs_eager(codec, dtype):
         assert (a.float() - b.float()).abs().max() <= tol
     assert gd.stats.replays == 25 and gd.stats.eager == 1
 
+
+
+@gpu
+def test_gpu_graph_pool_keeps_no_live_block():
+    """With the shared output buffer the graph pool holds nothing live once every graph is
+    captured (each graph's audio lands in the buffer, outside the pool), and replays still
+    equal the eager decode."""
+    from shoal.bench.codec import build_codec, random_codes
+    from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+
+    codec = build_codec(True, torch.device("cuda"))
+
+    def pools_allocated() -> int:
+        return sum(seg["allocated_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
+
+    before = pools_allocated()
+    gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 2, 4), chunk_frames=(4, 8))
+    gd.warmup()
+    torch.cuda.synchronize()
+    assert gd.stats.captures == 6 and gd._out_buf is not None
+    assert pools_allocated() == before
+    eager = StreamingDecoder(codec)
+    codes = random_codes(2, 16, "cuda", seed=3)
+    se, sg = eager.new_state(2), gd.new_state(2)
+    for i in range(0, 16, 4):
+        a = eager.decode_chunk(codes[:, :, i:i + 4], se)
+        b = gd.decode_chunk(codes[:, :, i:i + 4], sg)
+        assert (a - b).abs().max() <= 1e-4
+    assert gd.stats.replays == 4
 
 
 @gpu

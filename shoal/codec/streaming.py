@@ -232,6 +232,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
         # of a segment of exactly the peak still opened ~100 MiB of further segments
         # (docs/benchmarks.md, 2026-12-06), so a margin may keep the pool to one segment
         self.prime_margin_mib = env_int("SHOAL_CODEC_PRIME_MARGIN_MIB", 0)
+        # every graph copies its audio into one buffer allocated outside the graph pool
+        # (_out_view), so no graph's output stays live inside the pool between the captures,
+        # splitting its segment (SHOAL_CODEC_STATIC_OUT=0: each graph's output in the pool)
+        self.static_out = env_int("SHOAL_CODEC_STATIC_OUT", 1) != 0
+        self._out_buf: Tensor | None = None
         self._primer: torch.cuda.CUDAGraph | None = None
 
     # ------------------------------------------------------------------ graph path
@@ -328,12 +333,43 @@ class GraphedStreamingDecoder(StreamingDecoder):
             with torch.no_grad():
                 out = self._decode(buf, self._bound_view(bb), self.rope)
             self._advance_bounds(state, t)
-            return out[:B].clone()
+            return self._to_static_out(out, bb, t)[:B].clone()
         self._load(buf, codes, state, index)
         with torch.no_grad():
             out = self._decode(buf, self._views(bb), self.rope)
         self._store(B, state, index, t)
-        return out[:B].clone()
+        return self._to_static_out(out, bb, t)[:B].clone()
+
+    def _out_view(self, like: Tensor, bb: int, t: int) -> Tensor | None:
+        """``[bb, channels, samples]`` view of the shared output buffer for a call like
+        ``like`` (``bb`` rows, ``t`` frames), allocated on first use for the largest bucket and
+        chunk; None when static outputs are off or ``like`` does not fit its layout."""
+        if not self.static_out or like.dim() != 3 or like.shape[0] != bb or like.shape[-1] % t:
+            return None
+        buf = self._out_buf
+        if buf is None:
+            buf = self._alloc_out_buf(like.shape[1], like.shape[-1] // t, like.dtype)
+        if (buf.dtype != like.dtype or buf.device != like.device or buf.shape[1] != like.shape[1]
+                or bb > buf.shape[0] or like.shape[-1] > buf.shape[-1]):
+            return None
+        return buf[:bb, :, : like.shape[-1]]
+
+    def _alloc_out_buf(self, channels: int = 1, per_frame: int | None = None,
+                       dtype: torch.dtype | None = None) -> Tensor:
+        """The shared output buffer: the largest bucket x the longest chunk of audio."""
+        per_frame = self.codec.frame_length if per_frame is None else per_frame
+        self._out_buf = torch.empty(self.batch_buckets[-1], channels, per_frame * max(self.chunk_frames),
+                                    dtype=self.codec.dtype if dtype is None else dtype, device=self.codec.device)
+        return self._out_buf
+
+    def _to_static_out(self, out: Tensor, bb: int, t: int) -> Tensor:
+        """``out`` copied into its view of the shared output buffer (what a graph's last
+        node does), or ``out`` itself where there is none."""
+        view = self._out_view(out, bb, t)
+        if view is None:
+            return out
+        view.copy_(out)
+        return view
 
     def _advance_bounds(self, state: DecoderState, t: int) -> None:
         state.bounds[self._bound_key] = state.bounds.get(self._bound_key, 0) + t
@@ -373,6 +409,8 @@ class GraphedStreamingDecoder(StreamingDecoder):
             views = self._bound_view(bb)
         else:
             views = self._views(bb)
+        if self.static_out and self._out_buf is None:
+            self._alloc_out_buf()  # before any activation, so it sits beside none of them
         side = self.capture_stream if self.capture_stream is not None else self._side_stream()
         side.wait_stream(torch.cuda.current_stream(dev))
         first = self._pool is None
@@ -385,8 +423,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
                     side.synchronize()
                     base = torch.cuda.memory_allocated(dev)
                     torch.cuda.reset_peak_memory_stats(dev)
-                self._decode(codes, views, self.rope)
+                like = self._decode(codes, views, self.rope)
             torch.cuda.current_stream(dev).wait_stream(side)
+            # this call's view of the shared output buffer (None: the graph keeps its own)
+            static = self._out_view(like, bb, t)
+            del like
             if first:
                 self._pool = torch.cuda.graph_pool_handle()
                 if self.prime_pool:
@@ -397,6 +438,10 @@ class GraphedStreamingDecoder(StreamingDecoder):
             with torch.cuda.graph(graph, pool=self._pool, stream=side,
                                   capture_error_mode="thread_local"):
                 out = self._decode(codes, views, self.rope)
+                if static is not None:  # the pool keeps no live block of this graph's
+                    static.copy_(out)
+                    del out
+                    out = static
         g = _Graph(graph, codes, out)
         self.graphs[(bb, t)] = g
         self.stats.captures += 1
