@@ -4,9 +4,9 @@
 # benchmarks/scripts/pending_gpu_checks.sh", carry=[".whl"])). In order of priority; each
 # step is time-boxed and its results are kept in $OUT as soon as it ends, so a call cut short
 # keeps what it measured:
-#   1. GPU tests of the codec paths made without a GPU: the ring window (window_attention), the fused
-#      transformer kernels (codec_rope, add_rmsnorm's LayerScale), real codec sizes, and the
-#      graphed unit-mode decoder with the transposed convs' Snake epilogues;
+#   1. GPU tests of the codec paths made without a GPU: the graphs' shared output buffer (the
+#      pool keeps no live block; replays equal eager), the two-lane audio worker, and the
+#      graphed unit-mode decoder (bit-equal to the k1 mode);
 #   2. the codec A/B: window state kv / ring x transformer kernels off / on, and the blocks'
 #      entry Snakes in the transposed convs' epilogues (SHOAL_CODEC_TCONV_SNAKE)
 #      (benchmarks/scripts/codec_transformer_ab.py, two interleaved rounds);
@@ -25,8 +25,9 @@
 #      0.972 GiB on an H100 at 33be044).
 # PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem; e.g.
 # back-to-back calls on one warm machine (it goes back after 30 s idle). What is still waiting
-# (2026-12-07, eleventh session: no H200 came): on an H200, PARTS="engine audio mem" (the #3 / #6
-# targets with the codec's current defaults, first audio at c=64, the codec's memory there). AB_ROUNDS (default 2)
+# (2026-12-07, eleventh session: no H200 came): PARTS="tests mem" on any GPU (the shared output
+# buffer, 907c521), then on an H200 PARTS="engine audio mem" (the #3 / #6 targets with the
+# codec's current defaults, first audio at c=64, the codec's memory there). AB_ROUNDS (default 2)
 # sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem} "
@@ -46,7 +47,8 @@ engine() {  # engine TIMEOUT TAG [ARGS...]
         --out "/tmp/r/$2" "${@:3}" 2>&1 | grep -E "c=|Error|error" | tail -6
     keep
 }
-part tests && timeout 130 python -m pytest -q tests/test_window_attention.py tests/test_codec_transformer_kernels.py \
+part tests && timeout 130 python -m pytest -q tests/test_codec_serving.py::test_gpu_graph_pool_keeps_no_live_block \
+    tests/test_codec_serving.py::test_gpu_graph_replay_equals_eager tests/test_audio_lanes_gpu.py \
     tests/test_codec_unit.py::test_gpu_graphed_unit_decoder_equals_k1 -k gpu 2>&1 | tail -6
 echo "[t=$SECONDS]"
 part ab && OUT=$OUT timeout 270 python benchmarks/scripts/codec_transformer_ab.py "${AB_ROUNDS:-2}" 2>&1 | grep -v Warn | tail -16
