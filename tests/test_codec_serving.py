@@ -536,12 +536,16 @@ def test_gpu_graph_pool_keeps_no_live_block():
         return sum(seg["allocated_size"] for seg in torch.cuda.memory_snapshot()
                    if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
 
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
     before = pools_allocated()
     gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 2, 4), chunk_frames=(4, 8))
     gd.warmup()
     torch.cuda.synchronize()
     assert gd.stats.captures == 6 and gd._out_buf is not None
-    assert pools_allocated() == before
+    assert pools_allocated() <= before  # (another test's pools may have been freed meanwhile)
     eager = StreamingDecoder(codec)
     codes = random_codes(2, 16, "cuda", seed=3)
     se, sg = eager.new_state(2), gd.new_state(2)
