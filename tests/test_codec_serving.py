@@ -276,7 +276,15 @@ def test_static_output_buffer_views(monkeypatch):
     assert gd._out_view(torch.randn(4, 1, 4 * hop + 1), 4, 4) is None  # not whole frames
     x = torch.randn(3, 1, 4 * hop)
     assert gd._to_static_out(x, 3, 4) is not x  # rows = bucket rows: 3 fits the 4-row buffer
-    monkeypatch.setenv("SHOAL_CODEC_STATIC_OUT", "0")
+    # first used under inference_mode (the engine's decode path), written outside it later
+    # (a capture at warm-up): the buffer is a normal tensor
+    late = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8), enabled=False)
+    with torch.inference_mode():
+        late._to_static_out(torch.randn(2, 1, 4 * hop), 2, 4)
+    assert not late._out_buf.is_inference()
+    with torch.no_grad():
+        late._to_static_out(torch.randn(4, 1, 8 * hop), 4, 8)
+    monkeypatch.setenv("SHOAL_CODEC_STATIC_OUT", "off")
     off = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8), enabled=False)
     y = torch.randn(2, 1, 4 * hop)
     assert off._to_static_out(y, 2, 4) is y and off._out_buf is None
@@ -745,12 +753,17 @@ def test_rewrite_in_own_storage_only_where_nothing_else_reads_it():
     assert torch.equal(other.conv.weight, keep)
     # shapes, dtypes or storages that do not match: the new tensor itself
     t = torch.randn(4, 5)
-    for new in (torch.randn(5, 5), torch.randn(4, 5, dtype=torch.float64), t[:, :4].contiguous().T[:, :5]):
+    keep = t.clone()
+    for new in (torch.randn(5, 5), torch.randn(4, 5, dtype=torch.float64),  # size, dtype
+                torch.randn(4, 10)[:, ::2],  # not dense
+                t.T):  # already on t's storage
         assert rewrite_in_own_storage(t, new) is new
+    assert torch.equal(t, keep)
     big = torch.randn(40)
     view = big[:20]
     del big
-    assert rewrite_in_own_storage(view, torch.randn(20)) is not view  # a view of a larger storage
+    new = torch.randn(20)
+    assert rewrite_in_own_storage(view, new) is new  # a view of a larger storage
 
 
 def _transposed(dt=torch.float32, ci=12, co=8, st=4, seed=3):

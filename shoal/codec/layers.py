@@ -313,8 +313,10 @@ def extra_padding_for_conv1d(length: int, kernel_size: int, stride: int, padding
 
 
 def _sole_tensor_of_storage(t: Tensor) -> bool:
-    """Whether ``t`` is the only tensor on its storage (no view, alias or ``.data`` of it alive
-    elsewhere). False where PyTorch does not tell."""
+    """Whether ``t`` is the only tensor PyTorch counts on its storage (no view, alias or
+    ``.data`` of it alive). False where PyTorch does not tell. Memory shared outside PyTorch's
+    count (NumPy or DLPack exports, a storage object held on its own, a shared file mapping) is
+    not seen: the codec's weights, copied at load, have none."""
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return False

@@ -235,7 +235,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         # every graph copies its audio into one buffer allocated outside the graph pool
         # (_out_view), so no graph's output stays live inside the pool between the captures,
         # splitting its segment (SHOAL_CODEC_STATIC_OUT=0: each graph's output in the pool)
-        self.static_out = env_int("SHOAL_CODEC_STATIC_OUT", 1) != 0
+        self.static_out = os.environ.get("SHOAL_CODEC_STATIC_OUT", "1").strip().lower() not in ("0", "false", "no", "off")
         self._out_buf: Tensor | None = None
         self._primer: torch.cuda.CUDAGraph | None = None
 
@@ -358,8 +358,11 @@ class GraphedStreamingDecoder(StreamingDecoder):
                        dtype: torch.dtype | None = None) -> Tensor:
         """The shared output buffer: the largest bucket x the longest chunk of audio."""
         per_frame = self.codec.frame_length if per_frame is None else per_frame
-        self._out_buf = torch.empty(self.batch_buckets[-1], channels, per_frame * max(self.chunk_frames),
-                                    dtype=self.codec.dtype if dtype is None else dtype, device=self.codec.device)
+        # a normal tensor even when the first call runs under inference_mode (an inference
+        # tensor could not be written by a later capture or call outside it)
+        with torch.inference_mode(False):
+            self._out_buf = torch.empty(self.batch_buckets[-1], channels, per_frame * max(self.chunk_frames),
+                                        dtype=self.codec.dtype if dtype is None else dtype, device=self.codec.device)
         return self._out_buf
 
     def _to_static_out(self, out: Tensor, bb: int, t: int) -> Tensor:
