@@ -552,7 +552,7 @@ def test_gpu_graph_pool_keeps_no_live_block():
     gd = GraphedStreamingDecoder(codec, batch_buckets=(1, 2, 4), chunk_frames=(4, 8))
     gd.warmup()
     torch.cuda.synchronize()
-    assert gd.stats.captures == 6 and gd._out_buf is not None
+    assert gd.stats.captures == 6 and gd._out_buf is not None and gd.stats.own_outputs == 0
     assert pools_allocated() <= before  # (another test's pools may have been freed meanwhile)
     eager = StreamingDecoder(codec)
     codes = random_codes(2, 16, "cuda", seed=3)

@@ -342,6 +342,8 @@ def serving_memory(codec32, dev, streams: int, max_call_streams: int, first_lane
                             "graphs": len(getattr(d, "graphs", {})),
                             "static_state_gib": (ss.nbytes() if ss is not None else 0) / gib,
                             "primed_pool_gib": getattr(getattr(d, "stats", None), "primed_bytes", 0) / gib,
+                            # graphs whose output stayed in the pool (0: all in the shared buffer)
+                            "own_outputs": getattr(getattr(d, "stats", None), "own_outputs", 0),
                             "group_positions": codec.decoder.group_positions}
     out = {"streams": streams, "max_call_streams": max_call_streams, "first_lane": first_lane,
            "encode_weights_gib": enc_b / gib, "decode_weights_gib": dec_b / gib,

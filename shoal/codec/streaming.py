@@ -158,6 +158,8 @@ class GraphStats:
     capture_s: float = 0.0
     eager_reasons: dict = field(default_factory=dict)
     primed_bytes: int = 0  # the graph pool's first segment (GraphedStreamingDecoder._prime)
+    # graphs whose audio stays in the pool (no view of the shared output buffer fit the call)
+    own_outputs: int = 0
 
 
 def prime_bytes(peak: int, margin_mib: int = 0) -> int:
@@ -430,6 +432,10 @@ class GraphedStreamingDecoder(StreamingDecoder):
             torch.cuda.current_stream(dev).wait_stream(side)
             # this call's view of the shared output buffer (None: the graph keeps its own)
             static = self._out_view(like, bb, t)
+            if static is None and self.static_out:
+                self.stats.own_outputs += 1
+                log.warning("codec graph (%d streams, %d frames): output %s %s does not fit the shared "
+                            "output buffer; it stays in the graph pool", bb, t, tuple(like.shape), like.dtype)
             del like
             if first:
                 self._pool = torch.cuda.graph_pool_handle()
