@@ -237,7 +237,7 @@ class GraphedStreamingDecoder(StreamingDecoder):
         # every graph copies its audio into one buffer allocated outside the graph pool
         # (_out_view), so no graph's output stays live inside the pool between the captures,
         # splitting its segment (SHOAL_CODEC_STATIC_OUT=0: each graph's output in the pool)
-        self.static_out = os.environ.get("SHOAL_CODEC_STATIC_OUT", "1").strip().lower() not in ("0", "false", "no", "off")
+        self.static_out = env_flag("SHOAL_CODEC_STATIC_OUT") is not False
         self._out_buf: Tensor | None = None
         self._primer: torch.cuda.CUDAGraph | None = None
 
