@@ -92,3 +92,46 @@ def test_runner_prefill_runs_inside_the_prefill_switch(monkeypatch):
         assert seen == [PDL if in_prefill else PLAIN]
         assert pa.pdl_options(_CudaLike()) == PDL  # restored after the prefill
         monkeypatch.setattr(model, "prefill_kv", real)
+
+
+def test_early_trigger_scopes(monkeypatch):
+    """``SHOAL_PDL_EARLY``: PDL 2 (trigger, then wait) for the kernels in scope, True otherwise."""
+    _enable(monkeypatch)
+    t = _CudaLike()
+    for env, small, gemm in (("off", True, True), ("0", True, True), ("small", 2, True), ("all", 2, 2)):
+        monkeypatch.setenv(pa.PDL_EARLY_ENV, env)
+        pa.pdl_early.cache_clear()
+        assert pa.pdl_options(t) == {"PDL": small, "launch_pdl": True}, env
+        assert pa.pdl_options(t, gemm=True) == {"PDL": gemm, "launch_pdl": True}, env
+        with pa.pdl_suppressed():  # a normal launch stays a normal launch
+            assert pa.pdl_options(t) == PLAIN
+    monkeypatch.setenv(pa.PDL_EARLY_ENV, "everything")
+    pa.pdl_early.cache_clear()
+    try:
+        import pytest
+
+        with pytest.raises(ValueError, match="SHOAL_PDL_EARLY"):
+            pa.pdl_options(t)
+    finally:
+        monkeypatch.delenv(pa.PDL_EARLY_ENV)
+        pa.pdl_early.cache_clear()
+    assert pa.pdl_early() == "off"
+
+
+def test_dense_prefetch_override(monkeypatch):
+    """``SHOAL_DENSE_PREFETCH`` gives pointer configs without their own PREFETCH one (rounded
+    down to a power of two, capped at the program's K range); TMA configs never prefetch."""
+    from shoal.kernels import dense
+
+    monkeypatch.setenv(dense.PREFETCH_ENV, "700")
+    cfg = dense.finish_config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1}, 2560)
+    assert cfg["PREFETCH"] == 512
+    cfg = dense.finish_config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 8}, 2560)
+    assert cfg["PREFETCH"] == 256  # k_per_split = 2560 / 8 (rounded up to BLOCK_K blocks) = 384
+    cfg = dense.finish_config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PREFETCH": 128}, 2560)
+    assert cfg["PREFETCH"] == 128  # the config's own value wins
+    cfg = dense.finish_config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "TMA": True}, 2560)
+    assert cfg["PREFETCH"] == 0
+    monkeypatch.delenv(dense.PREFETCH_ENV)
+    cfg = dense.finish_config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}, 2560)
+    assert cfg["PREFETCH"] == 0

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
+                   help="the KV cache's dtype (default: the engine's)")
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="instead: profile the engine steps that prefill one TOKENS-token prompt")
     args = p.parse_args(argv)
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for B in [int(b) for b in args.batch.split(",")]:
         eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=max(B, 1), max_seq_len=4096,
-                                                           num_blocks=B * 64 + 64))
+                                                           num_blocks=B * 64 + 64,
+                                                           kv_cache_dtype=args.kv_cache_dtype))
         rng = np.random.default_rng(0)
         for i in range(B):
             eng.add_request(EngineRequest(session=GridSession(random_prompt(cfg, args.context - 200, 200, rng)),

@@ -736,7 +736,8 @@ def _launch_kwargs(cfg: dict, interpret: bool, t: Tensor | None = None) -> dict:
     """num_warps / num_stages (compiled only), plus a PDL launch (``pdl_options``) for ``t``."""
     if interpret:
         return {}
-    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **(pdl_options(t) if t is not None else {})}
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+            **(pdl_options(t, gemm=True) if t is not None else {})}
 
 
 def _require_triton(t: Tensor) -> bool:

@@ -1,0 +1,140 @@
+"""A/B of launch variants of the decode step, by CUDA-graph replay at S2-Pro shapes (random
+weights, 64 sequences at a 700-token context), interleaved rounds in one process:
+
+    python benchmarks/scripts/pdl_variants_ab.py [bf16|fp8] [ROUNDS] [VARIANT ...]
+
+A variant is a set of environment variables read when kernels are configured
+(``SHOAL_PDL_EARLY``, ``SHOAL_DENSE_PREFETCH``). For each one the step is re-captured for
+batches 1 and 64. Every timed chunk starts from the same slot state (positions, frames,
+repetition windows, last columns), so each variant does the same work. The first step of a
+chunk must give the same codes in every variant, since launch order does not change the
+arithmetic; the script exits non-zero if it does not. Prints ms per step and writes JSON to
+$OUT (or ./out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal.bench.random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
+from shoal.engine.engine import Engine, EngineConfig
+from shoal.engine.request import EngineRequest, GridSession
+from shoal.engine.sampling import SamplingParams
+from shoal.kernels import dense
+from shoal.kernels import paged_attention as pa
+
+VARIANTS = {
+    "base": {},
+    "early_small": {"SHOAL_PDL_EARLY": "small"},
+    "early_all": {"SHOAL_PDL_EARLY": "all"},
+    "pf512": {"SHOAL_DENSE_PREFETCH": "512"},
+    "early_small_pf512": {"SHOAL_PDL_EARLY": "small", "SHOAL_DENSE_PREFETCH": "512"},
+    "early_small_pf1024": {"SHOAL_PDL_EARLY": "small", "SHOAL_DENSE_PREFETCH": "1024"},
+    "early_all_pf512": {"SHOAL_PDL_EARLY": "all", "SHOAL_DENSE_PREFETCH": "512"},
+}
+KEYS = sorted({k for v in VARIANTS.values() for k in v})
+STATE = ("position", "frame", "window", "code_hist", "last_col", "first")
+
+
+def apply(env: dict) -> None:
+    for k in KEYS:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    pa.pdl_early.cache_clear()
+    dense.dense_config.cache_clear()
+
+
+def main(argv: list[str]) -> int:
+    dtype = argv[0] if argv else "bf16"
+    rounds = int(argv[1]) if len(argv) > 1 else 3
+    names = argv[2:] or list(VARIANTS)
+    dev = torch.device("cuda")
+    cfg = s2_pro_config(4096)
+    model = random_dualar(cfg, dev, torch.bfloat16, quantization="fp8" if dtype == "fp8" else "none")
+    B = 64
+    eng = Engine(model, S2_IM_END, config=EngineConfig(
+        max_running=B, max_seq_len=4096, num_blocks=B * 64 + 64, prefill_graphs=False,
+        kv_cache_dtype="fp8" if dtype == "fp8" else None))
+    rng = np.random.default_rng(0)
+    for i in range(B):
+        eng.add_request(EngineRequest(session=GridSession(random_prompt(cfg, 500, 200, rng)),
+                                      params=SamplingParams(temperature=0.8, top_p=0.8, top_k=30), seed=i,
+                                      max_new_tokens=10_000, ignore_eos=True))
+    while eng.num_running < B or any(r.status.value != "decode" for r in eng.scheduler.running):
+        eng.step()
+    runner = eng.runner
+    runner.slot_ids[:B].copy_(torch.tensor([r.slot for r in eng.scheduler.running], device=dev))
+    saved = {k: getattr(runner, k).clone() for k in STATE}
+
+    def restore() -> None:
+        for k in STATE:
+            getattr(runner, k).copy_(saved[k])
+
+    graphs = {}
+    for name in names:
+        apply(VARIANTS[name])
+        runner.buckets = [1, B]
+        runner.graphs = {}
+        t = time.perf_counter()
+        runner._capture_decode_graphs(False)
+        graphs[name] = dict(runner.graphs)
+        print(f"captured {name} ({VARIANTS[name]}) in {time.perf_counter() - t:.1f} s", flush=True)
+    apply({})
+    times: dict[str, dict[int, list[float]]] = {n: {1: [], B: []} for n in names}
+    first: dict[int, torch.Tensor] = {}
+    mismatch = []
+    reps = 40
+    for r in range(rounds):
+        for name in names:
+            for b in (1, B):
+                restore()
+                g = graphs[name][b]
+                with torch.inference_mode():
+                    g.replay()
+                    torch.cuda.synchronize()
+                    cols = runner.out_cols[:b].clone()
+                    if b not in first:
+                        first[b] = cols
+                    elif not torch.equal(first[b], cols):
+                        mismatch.append((name, b, r))
+                    for _ in range(3):
+                        g.replay()
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        g.replay()
+                    torch.cuda.synchronize()
+                times[name][b].append((time.perf_counter() - t) / reps * 1e3)
+    restore()
+    print(f"{dtype}: ms per step (graph replay, {reps} steps x {rounds} rounds; median [min-max])")
+    base = names[0]
+    res = {}
+    for name in names:
+        row = {}
+        for b in (1, B):
+            v = times[name][b]
+            med = float(np.median(v))
+            row[b] = {"median_ms": med, "all_ms": v}
+            ref = float(np.median(times[base][b]))
+            print(f"  {name:22s} batch {b:3d}: {med:7.3f} [{min(v):.3f}-{max(v):.3f}]  "
+                  f"{(ref / med - 1) * 100:+5.1f}% vs {base}", flush=True)
+        res[name] = {"env": VARIANTS[name], **{str(k): v for k, v in row.items()}}
+    if mismatch:
+        print(f"MISMATCH: first-step codes differ from the first variant's in {mismatch}")
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"pdl-variants-{dtype}.json").write_text(json.dumps({
+        "dtype": dtype, "device": torch.cuda.get_device_name(), "rounds": rounds, "reps": reps,
+        "variants": res, "mismatch": mismatch}, indent=1))
+    return 1 if mismatch else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
