@@ -4,7 +4,7 @@ weights, 64 sequences at a 700-token context), interleaved rounds in one process
     python benchmarks/scripts/pdl_variants_ab.py [bf16|fp8] [ROUNDS] [VARIANT ...]
 
 A variant is a set of environment variables read when kernels are configured
-(``SHOAL_PDL_EARLY``, ``SHOAL_DENSE_PREFETCH``). For each one the step is re-captured for
+(``SHOAL_PDL_EARLY``, ``SHOAL_DENSE_PREFETCH``, ``SHOAL_FP8_PREFETCH``). For each one the step is re-captured for
 batches 1 and 64. Every timed chunk starts from the same slot state (positions, frames,
 repetition windows, last columns), so each variant does the same work. The first step of a
 chunk must give the same codes in every variant, since launch order does not change the
@@ -38,6 +38,9 @@ VARIANTS = {
     "early_small_pf512": {"SHOAL_PDL_EARLY": "small", "SHOAL_DENSE_PREFETCH": "512"},
     "early_small_pf1024": {"SHOAL_PDL_EARLY": "small", "SHOAL_DENSE_PREFETCH": "1024"},
     "early_all_pf512": {"SHOAL_PDL_EARLY": "all", "SHOAL_DENSE_PREFETCH": "512"},
+    "fp8pf512": {"SHOAL_FP8_PREFETCH": "512"},
+    "early_small_fp8pf512": {"SHOAL_PDL_EARLY": "small", "SHOAL_FP8_PREFETCH": "512"},
+    "early_small_fp8pf1024": {"SHOAL_PDL_EARLY": "small", "SHOAL_FP8_PREFETCH": "1024"},
 }
 KEYS = sorted({k for v in VARIANTS.values() for k in v})
 STATE = ("position", "frame", "window", "code_hist", "last_col", "first")

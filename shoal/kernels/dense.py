@@ -63,15 +63,8 @@ def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-    from .fp8 import _gemm_epilogue, _round_bf16
+    from .fp8 import _gemm_epilogue, _prefetch_l2, _round_bf16
     from .paged_attention import gdc_launch_dependents, gdc_wait, pdl_enter
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        """One L2 prefetch per pointer of ``ptrs`` (valid addresses); a hint with no result,
-        kept because the asm is not pure."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
     @triton.jit
     def _dot_acc(a, b, acc, UPCAST_DOT: tl.constexpr):
