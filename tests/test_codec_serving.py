@@ -221,9 +221,12 @@ def test_channels_last_needs_fused(codec):
 
 
 @golden
-def test_graph_code_path_equals_eager(codec):
-    """run_static is what a CUDA graph records: static buffers, fixed RoPE table, padded bucket."""
+def test_graph_code_path_equals_eager(codec, monkeypatch):
+    """run_static is what a CUDA graph records: static buffers, fixed RoPE table, padded bucket
+    (here with the opt-in shared output buffer, SHOAL_CODEC_STATIC_OUT=1)."""
     from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
+
+    monkeypatch.setenv("SHOAL_CODEC_STATIC_OUT", "1")
 
     eager = StreamingDecoder(codec)
     gd = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8))
@@ -257,12 +260,17 @@ def test_graph_code_path_equals_eager(codec):
 def test_static_output_buffer_views(monkeypatch):
     """The shared output buffer's views: one per (bucket, frames) call that fits its layout,
     None for calls that do not (too long, other channels or dtype, a bigger bucket), none at
-    all with SHOAL_CODEC_STATIC_OUT=0."""
+    all by default (opt-in: SHOAL_CODEC_STATIC_OUT=1)."""
     from shoal.bench.codec import build_codec
     from shoal.codec import GraphedStreamingDecoder
 
     codec = build_codec(True, torch.device("cpu"))
     hop = codec.frame_length
+    monkeypatch.delenv("SHOAL_CODEC_STATIC_OUT", raising=False)
+    default = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8), enabled=False)
+    y = torch.randn(2, 1, 4 * hop)
+    assert default._to_static_out(y, 2, 4) is y and default._out_buf is None
+    monkeypatch.setenv("SHOAL_CODEC_STATIC_OUT", "1")
     gd = GraphedStreamingDecoder(codec, batch_buckets=(2, 4), chunk_frames=(4, 8), enabled=False)
     like = torch.randn(4, 1, 8 * hop)
     v = gd._out_view(like, 4, 8)
@@ -531,10 +539,11 @@ def _graph_vs_eager(codec, dtype):
 
 
 @gpu
-def test_gpu_graph_pool_keeps_no_live_block():
-    """With the shared output buffer the graph pool holds nothing live once every graph is
-    captured (each graph's audio lands in the buffer, outside the pool), and replays still
+def test_gpu_graph_pool_keeps_no_live_block(monkeypatch):
+    """With the shared output buffer (opt-in) the graph pool holds nothing live once every graph
+    is captured (each graph's audio lands in the buffer, outside the pool), and replays still
     equal the eager decode."""
+    monkeypatch.setenv("SHOAL_CODEC_STATIC_OUT", "1")
     from shoal.bench.codec import build_codec, random_codes
     from shoal.codec import GraphedStreamingDecoder, StreamingDecoder
 
