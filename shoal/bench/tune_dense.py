@@ -60,8 +60,14 @@ def _unique(cands: list[dict], K: int) -> list[dict]:
     return uniq
 
 
+ODD_SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+"""Split-K counts of ``--odd-splits`` (M <= 32): besides the powers of two, counts that bring a
+shape's program count nearer a whole number of waves on 132 SMs (e.g. wo at M = 1: 40 weight
+tiles x 3 splits = 120 programs, where 2 give 80 and 4 give 160)."""
+
+
 def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False,
-               streamk: bool = False) -> list[dict]:
+               streamk: bool = False, odd_splits: bool = False) -> list[dict]:
     """The search space of one cell: the token tile is M rounded up to a power of two (16 to
     128); weight x K tiles (64 x 128, 64 x 256, 128 x 64, 128 x 128, 256 x 64; for M >= 64 4 or 8
     warps and 3-5 stages), the stage counts that fit shared memory, and the split-K counts that
@@ -73,8 +79,9 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
     same tiles as stream-K launches (``KIND`` "streamk") of 1, 2 or 3 programs per SM (as many
     as fit its shared memory at once), at least 2 K blocks each (measured on the H200 on
     2026-12-02 at M = 1 and 64: the best of them within 5% of the best config in one cell of
-    12, never ahead)."""
+    12, never ahead). ``odd_splits`` (M <= 32): split counts from :data:`ODD_SPLITS`."""
     bm = _token_tile(M)
+    split_options = ODD_SPLITS if odd_splits and bm < 64 else (1, 2, 4, 8, 16)
     out = []
     # M >= 64: every program re-reads its token tile (from L2) once per weight tile, so wider
     # weight tiles (128-256 rows) keep that traffic below the weight stream's
@@ -87,7 +94,7 @@ def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = Fals
         per_stage = (bn + bm) * bk * 2
         for nw in ((4, 8) if bm >= 64 and bn >= 128 else (8,) if bn * bm >= 128 * 64 or bn == 256 else (4,)):
             tiles = _cdiv(N, bn) * _cdiv(M, bm)
-            for sk in _splits(_cdiv(K, bk), tiles, options=(1, 2, 4, 8, 16), lo=0.3 if bm >= 64 else 0.5):
+            for sk in _splits(_cdiv(K, bk), tiles, options=split_options, lo=0.3 if bm >= 64 else 0.5):
                 for ns in (3, 4, 6) if bm < 64 else (3, 4, 5):
                     if ns * per_stage <= SMEM:
                         out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": nw,
@@ -258,8 +265,10 @@ def tune_cell(N: int, K: int, M: int, weights: list, iters: int, cands: list[dic
                                len(weights), iters)
     ok = sorted((r for r in results if "us" in r), key=lambda r: r["us"])
     best = ok[0] if ok else None
+    table = next((r for r in ok if r["config"].get("_old")), None)
     nbytes = 2 * (N * K + M * K + M * N)
     return {"N": N, "K": K, "M": M, "cublas_us": cublas, "best": best, "top5": ok[:5], "n_tried": len(results),
+            "table_us": table["us"] if table else None,
             "n_failed": sum(1 for r in results if "error" in r),
             "best_tbps": nbytes / (best["us"] * 1e-6) / 1e12 if best else None,
             "cublas_tbps": nbytes / (cublas * 1e-6) / 1e12,
@@ -315,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", action="store_true", help="also try the L2-prefetch-before-PDL-wait variants (M <= 32)")
     ap.add_argument("--tile", action="store_true", help="also try KIND tile (tokens on the MMA's M axis, M >= 64)")
     ap.add_argument("--streamk", action="store_true", help="also try stream-K launches (KIND streamk)")
+    ap.add_argument("--odd-splits", action="store_true",
+                    help="M <= 32: split-K counts 3, 5, 6 and 12 as well as the powers of two")
     ap.add_argument("--mma-v2", action="store_true",
                     help="only the 16/32-weight-row launches (mma.sync), against cuBLAS and the active table's config")
     ap.add_argument("--swiglu", action="store_true",
@@ -341,7 +352,11 @@ def main(argv=None) -> int:
                 if old:
                     cands.append({k: v for k, v in old.items() if k != "k_per_split"})
             else:
-                cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk)
+                cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk,
+                                   odd_splits=args.odd_splits)
+                old = dense.dense_config(M, N, K)  # the active table's choice, timed and reported
+                if old:
+                    cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
             plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
     if args.swiglu:
         N2, K2 = SHAPES["gate_up"]
@@ -367,6 +382,7 @@ def main(argv=None) -> int:
             _log(f"{name:>13} M={M:<4} cuBLAS {cell['cublas_us']:7.2f} us ({cell['cublas_tbps']:.2f} TB/s) | "
                  + (f"best {b['us']:7.2f} us ({cell['best_tbps']:.2f} TB/s, {cell['cublas_us'] / b['us']:.2f}x) "
                     f"{short(b['config'])}" if b else "no working config")
+                 + (f" | table {cell['table_us']:.2f} us" if cell.get("table_us") else "")
                  + _tried(cell, t0))
             if args.out:
                 _write(args.out, table, cells)

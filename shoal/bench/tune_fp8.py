@@ -117,7 +117,14 @@ def mma_v2_candidates(M: int, N: int, K: int) -> list[dict]:
     return out
 
 
-def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None, mma_v2: bool = False) -> list[dict]:
+ODD_SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+"""Split-K counts of ``--odd-splits`` (swap kernel, M <= 32): counts that bring a shape's program
+count nearer a whole number of waves on 132 SMs (e.g. down at M = 1: 20 weight tiles x 13
+splits would be 260; x 6 = 120), besides the powers of two."""
+
+
+def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None, mma_v2: bool = False,
+               odd_splits: bool = False) -> list[dict]:
     """The search space for one cell (kept small: every distinct config is one Triton compile).
     M <= 32: the swap-AB kernel, weight tiles of 64/128/256 rows, tokens 16 or 32 per program,
     split-K 1-16 (in-kernel reduce), 1/2/4 K blocks per iteration with 2-6 stages, pointer or
@@ -145,7 +152,7 @@ def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None, mma_v2: 
         for bn, nw, steps in ((64, 4, {1: (4, 6), 2: (3, 4), 4: (2, 3)}), (128, 4, {1: (4, 6), 2: (3,)}),
                               (256, 8, {1: (3, 4)})):
             tiles = _cdiv(N, bn) * _cdiv(M, bm)
-            for sk in _splits(KB, tiles):
+            for sk in _splits(KB, tiles, options=ODD_SPLITS if odd_splits else (1, 2, 4, 8, 16)):
                 for step, stages in steps.items():
                     for ns in stages:
                         for tma in (False, True):
@@ -329,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes that precompile the candidates (0: compile inline)")
     ap.add_argument("--seeds", type=int, default=4, help="best M=1 configs tried at M = 8, 16, 32")
+    ap.add_argument("--odd-splits", action="store_true",
+                    help="M <= 32 (swap kernel): split-K counts 3, 5, 6 and 12 as well as the powers of two")
     ap.add_argument("--mma-v2", action="store_true",
                     help="try only the mma.sync launches (16/32-token or 16/32-weight-row tiles) against the packaged table")
     ap.add_argument("--max-candidates", type=int, default=0, help="debug: at most this many per cell")
@@ -354,7 +363,8 @@ def main(argv=None) -> int:
         for name in names:
             N, K = SHAPES[name]
             for M in phase_ms:
-                cands = candidates(M, N, K, seeds.get(name) if 1 < M <= SWAP_MAX_M else None, mma_v2=args.mma_v2)
+                cands = candidates(M, N, K, seeds.get(name) if 1 < M <= SWAP_MAX_M else None, mma_v2=args.mma_v2,
+                                   odd_splits=args.odd_splits)
                 if args.max_candidates:
                     cands = cands[:args.max_candidates]
                 plan.append((name, N, K, M, cands))
