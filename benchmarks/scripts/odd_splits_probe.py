@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
         print(f"[{kind} done at {time.time() - t0:.0f} s]", flush=True)
         out = Path(os.environ.get("OUT", "out"))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "odd-splits-probe.json").write_text(json.dumps({
+        (out / f"odd-splits-{'-'.join(args.kinds)}.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "rows": rows}, indent=1, default=str))
     return 0
 
