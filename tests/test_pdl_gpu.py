@@ -107,26 +107,3 @@ def test_sampler_overlap_switch(monkeypatch):
         monkeypatch.setenv("SHOAL_SAMPLER_OVERLAP", bad)
         with pytest.raises(ValueError, match="SHOAL_SAMPLER_OVERLAP"):
             sampler_overlap_max_batch()
-
-
-@cuda
-@pytest.mark.parametrize("scope", ["small", "all"])
-def test_pdl_early_trigger_engine_codes_identical(monkeypatch, tmp_path, scope):
-    """``SHOAL_PDL_EARLY`` (kernels trigger their successor before their own wait, with L2
-    weight prefetch in the pointer GEMMs): the same codes as plain PDL."""
-    _test_table(tmp_path)
-    try:
-        base = _codes(True, monkeypatch)
-        monkeypatch.setenv(paged_attention.PDL_EARLY_ENV, scope)
-        monkeypatch.setenv(dense.PREFETCH_ENV, "512")
-        paged_attention.pdl_early.cache_clear()
-        dense.dense_config.cache_clear()
-        early = _codes(True, monkeypatch)
-    finally:
-        monkeypatch.delenv(paged_attention.PDL_EARLY_ENV, raising=False)
-        monkeypatch.delenv(dense.PREFETCH_ENV, raising=False)
-        paged_attention.pdl_early.cache_clear()
-        dense.dense_config.cache_clear()
-        dense.set_dense_table(None)
-        paged_attention.pdl_enabled.cache_clear()
-    _assert_same(early, base)

@@ -82,7 +82,7 @@ def _row(kind: str, name: str, table_us, best, cublas_us) -> dict:
            "best_config": best["config"] if best else None, "cublas_us": cublas_us}
     gain = f"{table_us / best['us']:.3f}x" if (best and table_us) else "-"
     print(f"{kind:5s} {name:10s} M=1 table {table_us or float('nan'):7.2f} us | best odd split "
-          f"{best['us'] if best else float('nan'):7.2f} us ({gain}) {td.short(best['config']) if best else '-'}",
+          f"{best['us'] if best else float('nan'):7.2f} us ({gain}) {(td if kind == 'dense' else tf).short(best['config']) if best else '-'}",
           flush=True)
     return row
 

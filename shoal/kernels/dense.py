@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..envutil import env_int
 from .fp8 import _cdiv, _device_sms, _launch_reduce, _out_buffer, _require_triton, _tile_counters, _tma_ok
 from .fused import silu_mul
 from .paged_attention import HAS_TRITON, note_foreign_kernel, pdl_options, tl, triton
@@ -50,7 +49,6 @@ __all__ = ["MAX_M", "dense_gemm_ref", "dense_gemm_triton", "dense_linear", "dens
 
 MAX_M = 128  # larger M (prefill) always goes to cuBLAS
 TABLE_ENV = "SHOAL_DENSE_TUNED"
-PREFETCH_ENV = "SHOAL_DENSE_PREFETCH"
 ENABLE_ENV = "SHOAL_DENSE_GEMM"
 TUNED_SMS = 132  # SM count of a table without an "sms" entry (the packaged one: an H200)
 
@@ -63,8 +61,15 @@ def dense_gemm_ref(x: Tensor, w: Tensor) -> Tensor:
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-    from .fp8 import _gemm_epilogue, _prefetch_l2, _round_bf16
+    from .fp8 import _gemm_epilogue, _round_bf16
     from .paged_attention import gdc_launch_dependents, gdc_wait, pdl_enter
+
+    @triton.jit
+    def _prefetch_l2(ptrs):
+        """One L2 prefetch per pointer of ``ptrs`` (valid addresses); a hint with no result,
+        kept because the asm is not pure."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
     @triton.jit
     def _dot_acc(a, b, acc, UPCAST_DOT: tl.constexpr):
@@ -434,10 +439,8 @@ def finish_config(cfg: dict, K: int) -> dict:
         return cfg
     cfg["KIND"] = "tile" if kind == "tile" and cfg.get("TMA") else "swap"
     # PREFETCH (pointer kernel only): weight columns per row prefetched into L2 before the PDL
-    # wait, a power of two from 64 up to the program's K range; 0 = none. SHOAL_DENSE_PREFETCH
-    # sets it for configs that have none (an experiment's override, read when a config is made)
-    pf = int(cfg.get("PREFETCH") or env_int(PREFETCH_ENV, 0))
-    pf = 0 if cfg.get("TMA") else min(pf, cfg["k_per_split"])
+    # wait, a power of two from 64 up to the program's K range; 0 = none
+    pf = 0 if cfg.get("TMA") else min(int(cfg.get("PREFETCH") or 0), cfg["k_per_split"])
     cfg["PREFETCH"] = 1 << (pf.bit_length() - 1) if pf >= 64 else 0
     return cfg
 
@@ -487,8 +490,7 @@ def _operands(what: str, x: Tensor, w: Tensor, w_desc: str, even_rows: bool = Fa
 
 def _launch_kw(cfg: dict, x: Tensor, interpret: bool) -> dict:
     """Launch options of a config (none under the interpreter), with PDL where enabled."""
-    return {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-                                 **pdl_options(x, gemm=True)}
+    return {} if interpret else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **pdl_options(x)}
 
 
 def _descriptors(x: Tensor, w: Tensor, cfg: dict) -> tuple:

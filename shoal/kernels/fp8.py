@@ -85,7 +85,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..envutil import env_int
 from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
 
 __all__ = [
@@ -360,14 +359,7 @@ def _check_gate_up(gu: Tensor) -> int:
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-    from .paged_attention import gdc_launch_dependents, gdc_wait, pdl_enter
-
-    @triton.jit
-    def _prefetch_l2(ptrs):
-        """One L2 prefetch per pointer of ``ptrs`` (valid addresses); a hint with no result,
-        kept because the asm is not pure."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    from .paged_attention import pdl_enter
 
     @triton.jit
     def _round_bf16(x):
@@ -536,8 +528,7 @@ if HAS_TRITON:
                               stride_ym, kb_per_split,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                               QUANT_A: tl.constexpr, FUSED_REDUCE: tl.constexpr, PDL: tl.constexpr = False,
-                              KB_STEP: tl.constexpr = 1, TMA: tl.constexpr = False, M_FAST: tl.constexpr = False,
-                              wp_ptr=None, PREFETCH: tl.constexpr = 0):
+                              KB_STEP: tl.constexpr = 1, TMA: tl.constexpr = False, M_FAST: tl.constexpr = False):
         """KIND "swap" (decode, small M): the transposed tile ``acc[BLOCK_N, BLOCK_M] =
         W_tile @ x_tile^T`` so the weight rows (64-256) sit on the MMA's M axis (wgmma on
         sm_90) and the few tokens on its N axis; grid (n tiles, m tiles, SPLIT_K). The same
@@ -552,10 +543,8 @@ if HAS_TRITON:
         KB_STEP can move them, see ``_finish_config``). TMA: ``x_ptr`` / ``w_ptr`` are tensor descriptors with [BLOCK_M, 128] /
         [BLOCK_N, 128] blocks (bulk copies into shared memory, zeros outside the tensor; not with
         QUANT_A). M_FAST: grid (m tiles, n tiles, SPLIT_K), so the programs of one weight tile
-        for all token tiles launch together and share its bytes through L2. PREFETCH (with PDL;
-        ``wp_ptr`` the weight's own pointer): before waiting for the previous kernel, prefetch
-        the first PREFETCH bytes of this program's weight rows into L2 (weights are never
-        written by a kernel)."""
+        for all token tiles launch together and share its bytes through L2."""
+        pdl_enter(PDL)
         if M_FAST:
             pid_m = tl.program_id(0)
             pid_n = tl.program_id(1)
@@ -565,14 +554,6 @@ if HAS_TRITON:
             pid_m = tl.program_id(1)
             n_tiles = tl.num_programs(0)
         pid_k = tl.program_id(2)
-        if PDL and PREFETCH > 0:
-            gdc_launch_dependents()
-            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-            cols = tl.minimum(pid_k * kb_per_split * 128 + tl.arange(0, PREFETCH // 128) * 128, K - 1)
-            _prefetch_l2(wp_ptr + rows[:, None] * K + cols[None, :])  # one per 128-byte line
-            gdc_wait()
-        else:
-            pdl_enter(PDL)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_kk = tl.arange(0, 128)
@@ -689,10 +670,6 @@ def _heuristic_config(M: int, N: int, K: int, sms: int) -> dict:
 
 
 TUNED_TABLE_ENV = "SHOAL_FP8_TUNED"
-PREFETCH_ENV = "SHOAL_FP8_PREFETCH"
-"""Environment variable: bytes of each weight row the swap-AB kernel prefetches into L2 before
-its PDL wait (a power of two >= 128, capped at a program's K range; default 0, none): an
-experiment's switch, see ``_fp8_gemm_swap_kernel``."""
 """Environment variable: path of a tuned table to use instead of ``fp8_tuned.json`` beside this
 file (e.g. the fresh output of ``python -m shoal.bench.tune_fp8 --out DIR``)."""
 
@@ -759,8 +736,7 @@ def _launch_kwargs(cfg: dict, interpret: bool, t: Tensor | None = None) -> dict:
     """num_warps / num_stages (compiled only), plus a PDL launch (``pdl_options``) for ``t``."""
     if interpret:
         return {}
-    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
-            **(pdl_options(t, gemm=True) if t is not None else {})}
+    return {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], **(pdl_options(t) if t is not None else {})}
 
 
 def _require_triton(t: Tensor) -> bool:
@@ -838,10 +814,6 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
             xa = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], BLOCK])
             wa = TensorDescriptor.from_tensor(W_q, [cfg["BLOCK_N"], BLOCK])
         extra.update(TMA=tma, M_FAST=cfg["M_FAST"])
-        pf = env_int(PREFETCH_ENV, 0) if not interpret else 0
-        pf = min(pf, cfg["kb_per_split"] * BLOCK)
-        if pf >= 128:
-            extra.update(wp_ptr=W_q, PREFETCH=1 << (pf.bit_length() - 1))
     # unused pointer arguments get stand-ins of the used dtype (one compiled variant fewer)
     kernel[grid](xa, x if x_s is None else x_s, wa, W_s, work.view(torch.bfloat16) if out is None else out,
                  x if work is None else work, W_s if counters is None else counters, M, N, K, KB, x.stride(0),

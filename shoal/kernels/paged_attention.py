@@ -388,39 +388,6 @@ def pdl_enabled() -> bool:
             and torch.cuda.get_device_capability() >= (9, 0))
 
 
-PDL_EARLY_ENV = "SHOAL_PDL_EARLY"
-"""Environment variable: where a PDL kernel lets its successor be scheduled *before* waiting for
-its own predecessor (see :func:`pdl_early`): ``off`` (default), ``small`` (the decode step's
-kernels other than the GEMMs) or ``all``."""
-
-_PDL_EARLY_SCOPES = ("off", "small", "all")
-
-
-@functools.cache
-def pdl_early() -> str:
-    """``SHOAL_PDL_EARLY``: ``off`` (default), ``small`` or ``all``.
-
-    A PDL kernel normally runs ``griddepcontrol.wait`` and then ``launch_dependents``, so its
-    successor's programs can become resident only once it has itself started work. With early
-    launch the kernels in scope trigger first and then wait. Their successors' programs can then
-    be scheduled while the predecessor is still running (the GEMM after a norm, say, waits
-    beside the GEMM before it), and a GEMM with ``PREFETCH`` can start its weight stream in the
-    earlier GEMM's tail.
-
-    Correctness: a kernel's ``griddepcontrol.wait`` still returns only once its predecessor has
-    completed with its writes visible, and that predecessor completes only after its own wait.
-    So every kernel still sees everything written before it in the stream. Deadlock is ruled out
-    by the trigger rule: a grid is launched only once every program of its predecessor has
-    triggered. Those programs are then all resident, so the successor's waiting programs can
-    never keep a program they wait on from being scheduled."""
-    v = os.environ.get(PDL_EARLY_ENV, "off").strip().lower()
-    if v in ("", "0", "false", "no"):
-        v = "off"
-    if v not in _PDL_EARLY_SCOPES:
-        raise ValueError(f"{PDL_EARLY_ENV}={v!r}: expected one of {', '.join(_PDL_EARLY_SCOPES)}")
-    return v
-
-
 PDL_AFTER_FOREIGN_ENV = "SHOAL_PDL_AFTER_CUBLAS"
 """Environment variable: ``0`` launches the first of our kernels after a cuBLAS GEMM (see
 :func:`note_foreign_kernel`) normally instead of with PDL."""
@@ -475,13 +442,11 @@ class pdl_suppressed:
         _pdl_local.suppressed = self._prev
 
 
-def pdl_options(t: "torch.Tensor", gemm: bool = False) -> dict:
+def pdl_options(t: "torch.Tensor") -> dict:
     """Launch keywords of a PDL launch of a kernel with a ``PDL`` constexpr, for tensors on
     ``t``'s device: ``{"PDL": True, "launch_pdl": True}`` when :func:`pdl_enabled`, else {}.
-    ``PDL`` is 2 instead of True where :func:`pdl_early` covers the kernel (``gemm``: whether
-    it is a GEMM): it triggers its successor before it waits. Inside :class:`pdl_suppressed`,
-    or once after :func:`note_foreign_kernel`, the launch is a normal one (``{"PDL": True}``:
-    the same compiled kernel)."""
+    Inside :class:`pdl_suppressed`, or once after :func:`note_foreign_kernel`, the launch is a
+    normal one (``{"PDL": True}``: the same compiled kernel)."""
     if not (t.is_cuda and pdl_enabled()):
         return {}
     if getattr(_pdl_local, "after_foreign", False):
@@ -489,8 +454,7 @@ def pdl_options(t: "torch.Tensor", gemm: bool = False) -> dict:
         return {"PDL": True}
     if getattr(_pdl_local, "suppressed", False):
         return {"PDL": True}
-    early = pdl_early()
-    return {"PDL": 2 if early == "all" or (early == "small" and not gemm) else True, "launch_pdl": True}
+    return {"PDL": True, "launch_pdl": True}
 
 
 def triton_interpreting() -> bool:
@@ -576,12 +540,8 @@ if HAS_TRITON:
     _merge_splits = _Wrap(_merge_splits_impl)
 
     def _pdl_enter_impl(PDL: tl.constexpr):
-        """First statement of a PDL-capable kernel (see :func:`pdl_enabled`); ``PDL == 2``:
-        the successor is triggered before the wait (:func:`pdl_early`)."""
-        if PDL == 2:
-            gdc_launch_dependents()
-            gdc_wait()
-        elif PDL:
+        """First statement of a PDL-capable kernel (see :func:`pdl_enabled`)."""
+        if PDL:
             gdc_wait()
             gdc_launch_dependents()
 

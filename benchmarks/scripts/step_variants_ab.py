@@ -1,15 +1,16 @@
-"""A/B of launch variants of the decode step, by CUDA-graph replay at S2-Pro shapes (random
+"""A/B of variants of the decode step, by CUDA-graph replay at S2-Pro shapes (random
 weights, 64 sequences at a 700-token context), interleaved rounds in one process:
 
-    python benchmarks/scripts/pdl_variants_ab.py [bf16|fp8] [ROUNDS] [VARIANT ...]
+    [AB_DENSE_TABLE=DIR] python benchmarks/scripts/step_variants_ab.py [bf16|fp8] [ROUNDS] [VARIANT ...]
 
-A variant is a set of environment variables read when kernels are configured
-(``SHOAL_PDL_EARLY``, ``SHOAL_DENSE_PREFETCH``, ``SHOAL_FP8_PREFETCH``). For each one the step is re-captured for
+A variant is a set of environment variables read when kernels are configured (``SHOAL_PDL``,
+``SHOAL_DENSE_TUNED``; add others to ``VARIANTS``). For each one the step is re-captured for
 batches 1 and 64. Every timed chunk starts from the same slot state (positions, frames,
-repetition windows, last columns), so each variant does the same work. The first step of a
-chunk must give the same codes in every variant, since launch order does not change the
-arithmetic; the script exits non-zero if it does not. Prints ms per step and writes JSON to
-$OUT (or ./out).
+repetition windows, last columns; the pages the timed steps write are allocated first), so
+each variant does the same work. The first step of a chunk must give the same codes in every
+variant of ``SAME_BITS`` (launch modes do not change the arithmetic); the script exits non-zero
+if it does not. Another GEMM table may change the last bits, so its codes are not compared.
+Prints ms per step and writes JSON to $OUT (or ./out).
 """
 
 from __future__ import annotations
@@ -32,16 +33,11 @@ from shoal.kernels import paged_attention as pa
 
 VARIANTS = {
     "base": {},
-    "early_small": {"SHOAL_PDL_EARLY": "small"},
-    "early_all": {"SHOAL_PDL_EARLY": "all"},
-    "pf512": {"SHOAL_DENSE_PREFETCH": "512"},
-    "early_small_pf512": {"SHOAL_PDL_EARLY": "small", "SHOAL_DENSE_PREFETCH": "512"},
-    "early_small_pf1024": {"SHOAL_PDL_EARLY": "small", "SHOAL_DENSE_PREFETCH": "1024"},
-    "early_all_pf512": {"SHOAL_PDL_EARLY": "all", "SHOAL_DENSE_PREFETCH": "512"},
-    "fp8pf512": {"SHOAL_FP8_PREFETCH": "512"},
-    "early_small_fp8pf512": {"SHOAL_PDL_EARLY": "small", "SHOAL_FP8_PREFETCH": "512"},
-    "early_small_fp8pf1024": {"SHOAL_PDL_EARLY": "small", "SHOAL_FP8_PREFETCH": "1024"},
+    "nopdl": {"SHOAL_PDL": "0"},
+    # another bf16 GEMM table (a directory holding dense_tuned.json), e.g. a tuner's output
+    "table": {"SHOAL_DENSE_TUNED": os.environ.get("AB_DENSE_TABLE", "")},
 }
+SAME_BITS = {"base", "nopdl"}
 KEYS = sorted({k for v in VARIANTS.values() for k in v})
 STATE = ("position", "frame", "window", "code_hist", "last_col", "first")
 
@@ -50,8 +46,8 @@ def apply(env: dict) -> None:
     for k in KEYS:
         os.environ.pop(k, None)
     os.environ.update(env)
-    pa.pdl_early.cache_clear()
-    dense.dense_config.cache_clear()
+    pa.pdl_enabled.cache_clear()
+    dense.set_dense_table(None)  # re-reads $SHOAL_DENSE_TUNED; clears the config caches
 
 
 def main(argv: list[str]) -> int:
@@ -108,10 +104,11 @@ def main(argv: list[str]) -> int:
                     g.replay()
                     torch.cuda.synchronize()
                     cols = runner.out_cols[:b].clone()
-                    if b not in first:
-                        first[b] = cols
-                    elif not torch.equal(first[b], cols):
-                        mismatch.append((name, b, r))
+                    if name in SAME_BITS:
+                        if b not in first:
+                            first[b] = cols
+                        elif not torch.equal(first[b], cols):
+                            mismatch.append((name, b, r))
                     for _ in range(3):
                         g.replay()
                     torch.cuda.synchronize()
@@ -138,7 +135,7 @@ def main(argv: list[str]) -> int:
         print(f"MISMATCH: first-step codes differ from the first variant's in {mismatch}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"pdl-variants-{dtype}.json").write_text(json.dumps({
+    (out / f"step-variants-{dtype}.json").write_text(json.dumps({
         "dtype": dtype, "device": torch.cuda.get_device_name(), "rounds": rounds, "reps": reps,
         "variants": res, "mismatch": mismatch}, indent=1))
     return 1 if mismatch else 0
