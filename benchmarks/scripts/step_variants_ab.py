@@ -42,6 +42,11 @@ KEYS = sorted({k for v in VARIANTS.values() for k in v})
 STATE = ("position", "frame", "window", "code_hist", "last_col", "first")
 
 
+def dense_short(c: dict) -> str:
+    return (f"{c.get('KIND')} {c['BLOCK_N']}x{c['BLOCK_M']}x{c['BLOCK_K']} split {c['SPLIT_K']} "
+            f"w{c['num_warps']} s{c['num_stages']}{' tma' if c.get('TMA') else ''}")
+
+
 def apply(env: dict) -> None:
     for k in KEYS:
         os.environ.pop(k, None)
@@ -91,6 +96,12 @@ def main(argv: list[str]) -> int:
         runner._capture_decode_graphs(False)
         graphs[name] = dict(runner.graphs)
         print(f"captured {name} ({VARIANTS[name]}) in {time.perf_counter() - t:.1f} s", flush=True)
+        d = cfg.slow  # the bf16 GEMM launches this variant's table gives the batch-1 step's layers
+        for label, n, k in (("wqkv", (d.n_head + 2 * d.n_local_heads) * d.head_dim, d.dim),
+                            ("wo", d.dim, d.n_head * d.head_dim), ("gate_up", 2 * d.intermediate_size, d.dim),
+                            ("down", d.dim, d.intermediate_size)):
+            c = dense.dense_config(1, n, k)
+            print(f"    M=1 {label}: " + (dense_short(c) if c else "cuBLAS"), flush=True)
     apply({})
     times: dict[str, dict[int, list[float]]] = {n: {1: [], B: []} for n in names}
     first: dict[int, torch.Tensor] = {}
