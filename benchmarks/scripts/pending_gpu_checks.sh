@@ -4,8 +4,8 @@
 # benchmarks/scripts/pending_gpu_checks.sh", carry=[".whl"])). In order of priority; each
 # step is time-boxed and its results are kept in $OUT as soon as it ends, so a call cut short
 # keeps what it measured:
-#   1. GPU tests of the codec paths made without a GPU: the graphs' shared output buffer (the
-#      pool keeps no live block; replays equal eager), the two-lane audio worker, and the
+#   1. GPU tests of the codec paths made without a GPU: the graphs' opt-in shared output buffer
+#      (replays equal eager), the two-lane audio worker, and the
 #      graphed unit-mode decoder (bit-equal to the k1 mode);
 #   2. the codec A/B: window state kv / ring x transformer kernels off / on, and the blocks'
 #      entry Snakes in the transposed convs' epilogues (SHOAL_CODEC_TCONV_SNAKE)
@@ -25,10 +25,13 @@
 #      0.972 GiB on an H100 at 33be044).
 # PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem; e.g.
 # back-to-back calls on one warm machine (it goes back after 30 s idle). What is still waiting
-# (2026-12-07, eleventh session: no H200 came): PARTS="tests mem" on any GPU (the shared output
-# buffer, 907c521), then on an H200 PARTS="engine audio mem" (the #3 / #6 targets with the
-# codec's current defaults, first audio at c=64, the codec's memory there). AB_ROUNDS (default 2)
-# sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
+# (2026-12-07, twelfth session: no H200 came; the tests and mem parts ran on an H100): on an
+# H200 PARTS="engine audio mem" (the #3 / #6 targets with the codec's current defaults, first
+# audio at c=64, the codec's memory there); and, on any GPU, whether the odd split-K table takes
+# effect in the step (AB_DENSE_TABLE=DIR with benchmarks/results/2026-12-07-dense-table-oddsplits-
+# wo-down-m1.json as DIR/dense_tuned.json; python benchmarks/scripts/step_variants_ab.py bf16 3
+# base table prints each variant's batch-1 launches). AB_ROUNDS (default 2) sets the A/B's
+# rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
