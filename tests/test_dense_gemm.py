@@ -463,3 +463,23 @@ def test_gpu_cuda_graph_replay_bit_exact():
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def test_tuner_odd_splits_search_space():
+    """--odd-splits (M <= 32): split counts that are not powers of two join the space (e.g. wo
+    at 3: 40 weight tiles x 3 = 120 programs), every launch once; M >= 64 keeps its space."""
+    from shoal.bench import tune_dense
+
+    for M in (1, 16, 64):
+        for N, K in ((2560, 4096), (2560, 9728), (19456, 2560)):
+            plain = tune_dense.candidates(M, N, K)
+            odd = tune_dense.candidates(M, N, K, odd_splits=True)
+            keys = [json.dumps(dense.finish_config(c, K), sort_keys=True) for c in odd]
+            assert len(keys) == len(set(keys))
+            splits = {dense.finish_config(c, K)["SPLIT_K"] for c in odd}
+            if M <= 32:
+                assert len(odd) > len(plain) and splits - {1, 2, 4, 8, 16}
+            else:
+                assert odd == plain
+    wo = tune_dense.candidates(1, 2560, 4096, odd_splits=True)
+    assert any(c["BLOCK_N"] == 64 and dense.finish_config(c, 4096)["SPLIT_K"] == 3 for c in wo)

@@ -687,3 +687,20 @@ def test_gpu_fused_reduce_cuda_graph_replay_bit_exact():
 
 if __name__ == "__main__":
     _worker_main()
+
+
+def test_tuner_odd_splits_search_space():
+    """--odd-splits (swap kernel, M <= 32): split counts that are not powers of two join the
+    space, every launch once, the packaged entry still timed."""
+    from shoal.bench import tune_fp8
+    from shoal.bench.kernels_fp8 import SHAPES
+
+    for name in ("wo", "down"):
+        N, K = SHAPES[name]
+        plain = tune_fp8.candidates(1, N, K)
+        odd = tune_fp8.candidates(1, N, K, odd_splits=True)
+        keys = [tune_fp8._key(c, 1, K) for c in odd]
+        assert len(keys) == len(set(keys)) and len(odd) > len(plain)
+        splits = {fp8._finish_config(tune_fp8._public(c), 1, K)["SPLIT_K"] for c in odd}
+        assert splits - {1, 2, 4, 8, 16}, name
+        assert sum(1 for c in odd if c.get("_old")) == 1

@@ -5,7 +5,7 @@
 The packaged tables' M = 1 configs come from tuners that tried split counts of 1, 2, 4, 8 and
 16 only. With 132 SMs that leaves, for example, bf16 wo at 40 weight tiles x 2 splits = 80
 programs and FP8 down at 20 x 8 = 160 (28 SMs run two). This times, in one process, every
-candidate of the tuners' M = 1 space whose split count is 3, 5, 6 or 12 (``--odd-splits``)
+launch that the tuners' M = 1 space gains with ``--odd-splits`` (split counts 3, 5, 6 and 12)
 against the packaged table's config, with cold weights and CUDA-graph replay (the tuners'
 ``tune_cell``). It prints the table's time, the best new candidate's time and their ratio per
 shape, and writes JSON to $OUT.
@@ -26,18 +26,23 @@ from shoal.bench import tune_dense as td
 from shoal.bench import tune_fp8 as tf
 from shoal.kernels import dense, fp8
 
-POW2 = {1, 2, 4, 8, 16}
+def _dense_key(c: dict, K: int) -> str:
+    return json.dumps(dense.finish_config(c, K), sort_keys=True)
 
 
-def _odd(cands: list[dict]) -> list[dict]:
-    return [c for c in cands if int(c.get("SPLIT_K", 1)) not in POW2 or c.get("_old")]
+def _new_launches(odd: list[dict], plain: list[dict], key) -> list[dict]:
+    """The candidates of the ``--odd-splits`` space that are not launches of the plain space (a
+    split count of 5 or 12 can give the same effective split as 8 or 16), plus the table's."""
+    seen = {key(c) for c in plain}
+    return [c for c in odd if c.get("_old") or key(c) not in seen]
 
 
 def probe_dense(shapes: list[str], jobs: int, iters: int) -> list[dict]:
     plan = []
     for name in shapes:
         N, K = td.SHAPES[name]
-        cands = _odd(td.candidates(1, N, K, odd_splits=True))
+        cands = _new_launches(td.candidates(1, N, K, odd_splits=True), td.candidates(1, N, K),
+                              lambda c, K=K: _dense_key(c, K))
         old = dense.dense_config(1, N, K)
         if old:
             cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
@@ -58,8 +63,8 @@ def probe_fp8(shapes: list[str], jobs: int, iters: int) -> list[dict]:
     plan = []
     for name in shapes:
         N, K = tf.SHAPES[name]
-        cands = [c for c in tf.candidates(1, N, K, odd_splits=True)
-                 if int(c.get("SPLIT_K", 1)) not in POW2 or c.get("_old")]
+        cands = _new_launches(tf.candidates(1, N, K, odd_splits=True), tf.candidates(1, N, K),
+                              lambda c, K=K: tf._key(c, 1, K))
         plan.append((name, N, K, 1, cands))
     tf.precompile([(N, K, M, c) for _, N, K, M, c in plan], jobs)
     rows = []
@@ -102,6 +107,7 @@ def main(argv: list[str]) -> int:
         print(f"[{kind} done at {time.time() - t0:.0f} s]", flush=True)
         out = Path(os.environ.get("OUT", "out"))
         out.mkdir(parents=True, exist_ok=True)
+        # one file for the run, rewritten after each kind with the rows so far
         (out / f"odd-splits-{'-'.join(args.kinds)}.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "rows": rows}, indent=1, default=str))
     return 0

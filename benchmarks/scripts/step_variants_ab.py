@@ -58,7 +58,13 @@ def apply(env: dict) -> None:
 def main(argv: list[str]) -> int:
     dtype = argv[0] if argv else "bf16"
     rounds = int(argv[1]) if len(argv) > 1 else 3
-    names = argv[2:] or list(VARIANTS)
+    names = argv[2:] or [n for n in VARIANTS if n != "table" or os.environ.get("AB_DENSE_TABLE")]
+    if "table" in names:
+        table_dir = os.environ.get("AB_DENSE_TABLE", "")
+        if dtype != "bf16":
+            raise SystemExit("the table variant changes bf16 GEMMs only; FP8 weights never read it")
+        if not (Path(table_dir) / "dense_tuned.json").is_file() and not Path(table_dir).is_file():
+            raise SystemExit(f"AB_DENSE_TABLE={table_dir!r}: no dense_tuned.json there")
     dev = torch.device("cuda")
     cfg = s2_pro_config(4096)
     model = random_dualar(cfg, dev, torch.bfloat16, quantization="fp8" if dtype == "fp8" else "none")
@@ -90,6 +96,8 @@ def main(argv: list[str]) -> int:
     graphs = {}
     for name in names:
         apply(VARIANTS[name])
+        if name == "table" and not dense._table():
+            raise SystemExit(f"the table variant's file has no configs: {VARIANTS[name]}")
         runner.buckets = [1, B]
         runner.graphs = {}
         t = time.perf_counter()
@@ -97,10 +105,11 @@ def main(argv: list[str]) -> int:
         graphs[name] = dict(runner.graphs)
         print(f"captured {name} ({VARIANTS[name]}) in {time.perf_counter() - t:.1f} s", flush=True)
         d = cfg.slow  # the bf16 GEMM launches this variant's table gives the batch-1 step's layers
-        for label, n, k in (("wqkv", (d.n_head + 2 * d.n_local_heads) * d.head_dim, d.dim),
+        on_table = torch.cuda.get_device_properties(0).multi_processor_count == dense.table_sms()
+        for label, n, k in () if dtype != "bf16" else (("wqkv", (d.n_head + 2 * d.n_local_heads) * d.head_dim, d.dim),
                             ("wo", d.dim, d.n_head * d.head_dim), ("gate_up", 2 * d.intermediate_size, d.dim),
                             ("down", d.dim, d.intermediate_size)):
-            c = dense.dense_config(1, n, k)
+            c = dense.dense_config(1, n, k) if on_table else None
             print(f"    M=1 {label}: " + (dense_short(c) if c else "cuBLAS"), flush=True)
     apply({})
     times: dict[str, dict[int, list[float]]] = {n: {1: [], B: []} for n in names}

@@ -22,11 +22,12 @@ from ..engine.sampling import SamplingParams
 from .random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
 
 
-def profile_prefill(model, cfg, dev, tokens: int) -> dict:
+def profile_prefill(model, cfg, dev, tokens: int, kv_cache_dtype: str | None = None) -> dict:
     """Wall time and top CPU / GPU ops of the engine steps that prefill one prompt (after a
     warm-up request of the same length, so compilation is excluded; with the CUDA graphs of a
     serving engine: prefill chunks up to the largest prefill bucket replay a graph)."""
-    eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=4, max_seq_len=4096, num_blocks=1024))
+    eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=4, max_seq_len=4096, num_blocks=1024,
+                                                       kv_cache_dtype=kv_cache_dtype))
     eng.runner.capture_graphs(show_progress=False)  # decode + prefill graphs, as when serving
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -66,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=["s2-pro", "tiny"], default="s2-pro")
     p.add_argument("--quantization", choices=["none", "fp8"], default="none")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default=None,
-                   help="the KV cache's dtype (default: the engine's)")
+                   help="the KV cache's dtype (default: $SHOAL_KV_CACHE_DTYPE, else auto)")
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="instead: profile the engine steps that prefill one TOKENS-token prompt")
     args = p.parse_args(argv)
+    from ..quant.kv import kv_cache_dtype_arg
+
+    args.kv_cache_dtype = kv_cache_dtype_arg(args.kv_cache_dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from .random_model import tiny_config
@@ -78,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device)
     model = random_dualar(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32,
                           quantization=args.quantization)
-    report = {}
+    report = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if args.prefill:
-        report["prefill"] = profile_prefill(model, cfg, dev, args.prefill)
+        report["prefill"] = profile_prefill(model, cfg, dev, args.prefill, args.kv_cache_dtype)
         (out / "profile_step.json").write_text(json.dumps(report, indent=1))
         return 0
     for B in [int(b) for b in args.batch.split(",")]:

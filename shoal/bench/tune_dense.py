@@ -218,7 +218,7 @@ def _keep(table: dict, key: str, M: int, cell: dict, ref_us: float, min_gain: fl
     (else null: the reference path); returns the best result."""
     b = cell["best"]
     win = b is not None and b["us"] < (1 - min_gain) * ref_us
-    table.setdefault(key, {})[str(M)] = dict(b["config"]) if win else None
+    table.setdefault(key, {})[str(M)] = {k: v for k, v in b["config"].items() if not k.startswith("_")} if win else None
     return b
 
 
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
                 cands = mma_v2_candidates(M, N, K)
                 old = dense.dense_config(M, N, K)  # the active table's choice competes too
                 if old:
-                    cands.append({k: v for k, v in old.items() if k != "k_per_split"})
+                    cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
             else:
                 cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk,
                                    odd_splits=args.odd_splits)
