@@ -50,7 +50,7 @@ K_IN = 640  # 5 K blocks: 1, 2 and 5 splits are all exact
 KERNEL_CASES = {f"m{M}_n{N}_split{sp}": (M, N, sp, heads)
                 for M in (1, 3, 33) for sp in (1, 2, 5)
                 for N, heads in ((256, (2, 1, 64)),) + (((320, (6, 2, 32)),) if (M, sp) == (3, 5) else ())}
-EXTRA_CASES = ["norm_plain_inputs", "model_split1", "model_split2"]
+EXTRA_CASES = ["norm_plain_inputs", "model_split1", "model_split2", "model_reduced_split2"]
 
 
 def _gemm_case(M, N, split, heads):
@@ -208,7 +208,9 @@ def _patched(obj, **attrs):
             setattr(obj, k, v)
 
 
-def _model_case(split: int):
+def _model_case(split: int, reduced: bool = False):
+    """``reduced``: SHOAL_FP8_PARTIALS=0 with the GEMMs' in-kernel reduce (REDUCE "fused"): the
+    fused layer's GEMMs reduce their own partials and the consumers read bf16."""
     from shoal.quant.fp8 import FP8Linear
 
     counts = {}
@@ -227,13 +229,27 @@ def _model_case(split: int):
                                      and fp8.use_triton(x)))
         stack.enter_context(_patched(fp8, _launch_reduce=counting("reduce", fp8._launch_reduce),
                                      quantize_act_triton=counting("quantize", fp8.quantize_act_triton)))
+        extra = {"REDUCE": "fused"} if reduced else {}
         if split > 1:  # every GEMM splits K (the tiny shapes' heuristic configs do not)
             stack.enter_context(_patched(fp8, _gemm_config=lambda M, N, K, sms: fp8._finish_config(
-                {**base(M, N, K, sms), "SPLIT_K": split}, M, K)))
-        return _model_passes(_worker_model(), split, counts)
+                {**base(M, N, K, sms), "SPLIT_K": split, **extra}, M, K)))
+        if reduced:
+            stack.enter_context(_patched(fp8_fused, consumer_partials=lambda: False))
+
+        def noting_partials(fn):
+            def wrapped(*a, **k):
+                out = fn(*a, **k)
+                if isinstance(out, fp8.SplitKPartials):
+                    counts["partials"] = counts.get("partials", 0) + 1
+                return out
+            return wrapped
+
+        stack.enter_context(_patched(fp8_fused, fp8_gemm_triton=noting_partials(fp8_fused.fp8_gemm_triton),
+                                     fp8_linear_triton=noting_partials(fp8_fused.fp8_linear_triton)))
+        return _model_passes(_worker_model(), split, counts, reduced)
 
 
-def _model_passes(model, split, counts):
+def _model_passes(model, split, counts, reduced=False):
     flags = {}
     passes = (("slow", 3, 4), ("fast", 1, 0)) if split > 1 else (("slow", 2, 4),)
     for stack, rows, position in passes:
@@ -253,8 +269,11 @@ def _model_passes(model, split, counts):
         # SwiGLU kernel), fused: 1 (wo's) ...
         flags[f"{tag}_quantize_launches"] = c_ref.get("quantize", 0) == 3 * n and c_out.get("quantize", 0) == n
         # ... and with split K one reduce per GEMM, fused: only the last layer's w2
-        flags[f"{tag}_reduce_launches"] = (c_ref.get("reduce", 0) == (4 * n if split > 1 else 0)
-                                           and c_out.get("reduce", 0) == (1 if split > 1 else 0))
+        # the fused path hands split-K partials on to their consumers, unless reduced
+        flags[f"{tag}_partials_handed_on"] = (c_out.get("partials", 0) > 0) == (split > 1 and not reduced)
+        # (reduced: every GEMM sums its own partials, in-kernel: no reduce launch on either path)
+        flags[f"{tag}_reduce_launches"] = (c_ref.get("reduce", 0) == (4 * n if split > 1 and not reduced else 0)
+                                           and c_out.get("reduce", 0) == (1 if split > 1 and not reduced else 0))
     model.fp8_fusion = True
     return {"checks": {}, "flags": flags}
 
@@ -264,7 +283,7 @@ def _interp_case(name):
         return _gemm_case(*KERNEL_CASES[name])
     if name == "norm_plain_inputs":
         return _norm_plain_case()
-    return _model_case(int(name[-1]))
+    return _model_case(int(name[-1]), reduced="reduced" in name)
 
 
 def _worker_main():
@@ -356,8 +375,19 @@ def s2_pro_fp8():
 @cuda
 @pytest.mark.parametrize("M", [1, 64])
 @pytest.mark.parametrize("stack", ["slow", "fast"])
-def test_gpu_fused_fp8_layers_equal_unfused(s2_pro_fp8, M, stack):
-    model = s2_pro_fp8
+@pytest.mark.parametrize("partials", ["1", "0"])
+def test_gpu_fused_fp8_layers_equal_unfused(s2_pro_fp8, M, stack, partials, monkeypatch):
+    """Also with SHOAL_FP8_PARTIALS=0 (the GEMMs reduce their own split-K partials)."""
+    monkeypatch.setenv(fp8_fused.PARTIALS_ENV, partials)
+    fp8_fused.consumer_partials.cache_clear()
+    try:
+        _check_fused_equals_unfused(s2_pro_fp8, M, stack)
+    finally:
+        monkeypatch.delenv(fp8_fused.PARTIALS_ENV)
+        fp8_fused.consumer_partials.cache_clear()
+
+
+def _check_fused_equals_unfused(model, M, stack):
     assert fp8_fused.active(model.layers, torch.zeros(1, device="cuda", dtype=torch.bfloat16))
     outs = []
     for fusion in (False, True):

@@ -4,7 +4,7 @@ weights, 64 sequences at a 700-token context), interleaved rounds in one process
     [AB_DENSE_TABLE=DIR] python benchmarks/scripts/step_variants_ab.py [bf16|fp8] [ROUNDS] [VARIANT ...]
 
 A variant is a set of environment variables read when kernels are configured (``SHOAL_PDL``,
-``SHOAL_DENSE_TUNED``; add others to ``VARIANTS``). For each one the step is re-captured for
+``SHOAL_FP8_PARTIALS``, ``SHOAL_DENSE_TUNED``; add others to ``VARIANTS``). For each one the step is re-captured for
 batches 1 and 64. Every timed chunk starts from the same slot state (positions, frames,
 repetition windows, last columns; the pages the timed steps write are allocated first), so
 each variant does the same work. The first step of a chunk must give the same codes in every
@@ -28,16 +28,18 @@ from shoal.bench.random_model import S2_IM_END, random_dualar, random_prompt, s2
 from shoal.engine.engine import Engine, EngineConfig
 from shoal.engine.request import EngineRequest, GridSession
 from shoal.engine.sampling import SamplingParams
-from shoal.kernels import dense
+from shoal.kernels import dense, fp8_fused
 from shoal.kernels import paged_attention as pa
 
 VARIANTS = {
     "base": {},
     "nopdl": {"SHOAL_PDL": "0"},
+    # FP8: the split-K GEMMs reduce their own partials (the consumers read bf16)
+    "fp8_reduced": {"SHOAL_FP8_PARTIALS": "0"},
     # another bf16 GEMM table (a directory holding dense_tuned.json), e.g. a tuner's output
     "table": {"SHOAL_DENSE_TUNED": os.environ.get("AB_DENSE_TABLE", "")},
 }
-SAME_BITS = {"base", "nopdl"}
+SAME_BITS = {"base", "nopdl", "fp8_reduced"}
 KEYS = sorted({k for v in VARIANTS.values() for k in v})
 STATE = ("position", "frame", "window", "code_hist", "last_col", "first")
 
@@ -52,6 +54,7 @@ def apply(env: dict) -> None:
         os.environ.pop(k, None)
     os.environ.update(env)
     pa.pdl_enabled.cache_clear()
+    fp8_fused.consumer_partials.cache_clear()
     dense.set_dense_table(None)  # re-reads $SHOAL_DENSE_TUNED; clears the config caches
 
 

@@ -21,6 +21,11 @@ Launches per layer when every GEMM splits K (the M = 1 case at S2-Pro shapes)::
     w13 GEMM, reduce, silu_mul_quant                 w13 GEMM, silu_mul_quant
     w2 GEMM, reduce                                  w2 GEMM
 
+``SHOAL_FP8_PARTIALS=0`` (an experiment's switch, :func:`consumer_partials`) has the GEMMs reduce
+their own partials instead (the launch config's in-kernel reduce by each tile's last program,
+else the reduce kernel), so the consumers read bf16: the same bits, the summing spread over the
+GEMM's tiles rather than done by the consumer's one program per row.
+
 Every kernel does the unfused path's arithmetic in the same order (same launch configs, the
 same reduction layouts), so hidden states, KV-cache writes and logits are bit-identical to
 the unfused FP8 path (tests/test_fp8_fusion.py). The last layer's w2 output is reduced as
@@ -30,13 +35,26 @@ the partial workspaces are allocated per call like the reduce's: CUDA-graph capt
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 
+from ..envutil import env_flag
 from .fp8 import GemmOut, fp8_gemm_triton, fp8_linear_triton, silu_mul_quant
 from .fused import add_rmsnorm_quant
 
-__all__ = ["Act", "active", "mlp", "norm_quant", "project", "stack_supported"]
+__all__ = ["Act", "PARTIALS_ENV", "active", "consumer_partials", "mlp", "norm_quant", "project", "stack_supported"]
+
+PARTIALS_ENV = "SHOAL_FP8_PARTIALS"
+
+
+@functools.cache
+def consumer_partials() -> bool:
+    """Whether a split-K GEMM of the fused FP8 layer leaves its fp32 partials to the kernel that
+    reads its output (``SHOAL_FP8_PARTIALS``, default on; ``0``: the GEMM reduces them, see
+    the module docstring)."""
+    return env_flag(PARTIALS_ENV) is not False
 
 Act = tuple[Tensor, Tensor]
 """A 1x128-quantized activation: ``(q [M, K] float8_e4m3fn, s [M, ceil(K/128)] fp32)``."""
@@ -82,7 +100,9 @@ def norm_quant(x: GemmOut, residual: Tensor | None, weight: Tensor, eps: float) 
 def project(linear, x: Act | Tensor, *, partials: bool = True) -> GemmOut:
     """``linear`` (FP8Linear) of a quantized activation ``(q, s)`` (the GEMM alone) or of a
     bf16 ``[M, K]`` tensor (quantize + GEMM, as ``FP8Linear.forward_kernels``). ``partials``:
-    leave split-K partials unreduced for the consuming kernel."""
+    leave split-K partials unreduced for the consuming kernel (unless :func:`consumer_partials`
+    is off)."""
+    partials = partials and consumer_partials()
     if isinstance(x, tuple):
         return fp8_gemm_triton(*x, linear.weight_q, linear.weight_scale, partials=partials)
     return fp8_linear_triton(x, linear.weight_q, linear.weight_scale, partials=partials)
