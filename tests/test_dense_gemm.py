@@ -483,3 +483,29 @@ def test_tuner_odd_splits_search_space():
                 assert odd == plain
     wo = tune_dense.candidates(1, 2560, 4096, odd_splits=True)
     assert any(c["BLOCK_N"] == 64 and dense.finish_config(c, 4096)["SPLIT_K"] == 3 for c in wo)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_bench_dense_step_odd_splits_on_cpu(tmp_path):
+    """``shoal bench dense-step --odd-splits``: the swap candidates are only the launches the odd
+    split counts add (at S2-Pro's wo: 3, 5, 6 or 12 splits; none at the tiny shapes' K), and the
+    command runs end to end with them."""
+    import json
+
+    from shoal.bench.tune_step import odd_split_launches
+    from shoal.cli import main
+
+    new = odd_split_launches(1, 2560, 4096)
+    plain = {json.dumps(dense.finish_config(c, 4096), sort_keys=True) for c in tune_dense_candidates(1, 2560, 4096)}
+    assert new and all(json.dumps(dense.finish_config(c, 4096), sort_keys=True) not in plain for c in new)
+    assert {dense.finish_config(c, 4096)["SPLIT_K"] for c in new} <= {3, 5, 6, 11, 12}
+    assert main(["bench", "dense-step", "--device", "cpu", "--shape", "tiny", "--limit", "2", "--replays", "1",
+                 "--shapes", "wqkv", "--kinds", "swap", "--odd-splits", "--out", str(tmp_path)]) == 0
+    wqkv = json.loads((tmp_path / "tune_step.json").read_text())["projections"]["wqkv"]
+    assert all("swap" == c["config"].get("KIND", "swap") for c in wqkv["candidates"])
+
+
+def tune_dense_candidates(M, N, K):
+    from shoal.bench import tune_dense
+
+    return tune_dense.candidates(M, N, K)

@@ -30,7 +30,8 @@
 # audio at c=64, the codec's memory there); and, on any GPU, whether the odd split-K table takes
 # effect in the step (AB_DENSE_TABLE=DIR with benchmarks/results/2026-12-07-dense-table-oddsplits-
 # wo-down-m1.json as DIR/dense_tuned.json; python benchmarks/scripts/step_variants_ab.py bf16 3
-# base table prints each variant's batch-1 launches); and the FP8 split-K GEMMs reducing their own
+# base table prints each variant's batch-1 launches; or shoal bench dense-step --batch 1 --shapes
+# wo,down --kinds swap --odd-splits); and the FP8 split-K GEMMs reducing their own
 # partials (python benchmarks/scripts/step_variants_ab.py fp8 3 base fp8_reduced; the GPU test
 # tests/test_fp8_fusion.py -k gpu checks its bits). AB_ROUNDS (default 2) sets the A/B's
 # rounds; ANY_GPU=1 runs the engine step on an H100 too.

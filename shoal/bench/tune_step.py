@@ -58,6 +58,20 @@ def projections(model) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def _launch_key(c: dict, K: int) -> str:
+    """One string per distinct launch of a dense config."""
+    return json.dumps(dense.finish_config(c, K), sort_keys=True)
+
+
+def odd_split_launches(M: int, N: int, K: int) -> list[dict]:
+    """The swap-space launches that ``tune_dense --odd-splits`` adds for this cell (none where
+    K is too short for a new effective split count)."""
+    from . import tune_dense
+
+    plain = {_launch_key(c, K) for c in tune_dense.candidates(M, N, K)}
+    return [c for c in tune_dense.candidates(M, N, K, odd_splits=True) if _launch_key(c, K) not in plain]
+
+
 def gemv_candidates(N: int, K: int, sms: int = 132) -> list[dict]:
     """KIND "gemv" launches (one token): 8-32 weight rows x 256-512 columns per program, the
     split counts nearest 1, 2 and 4 programs per SM, pointer loads unpipelined or 3 stages."""
@@ -165,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="", help="projections to tune (default: all of them)")
     p.add_argument("--kinds", default="swap,gemv", help="candidate kernels: swap (tune_dense's space), gemv")
     p.add_argument("--limit", type=int, default=40, help="at most this many candidates per projection and kind")
+    p.add_argument("--odd-splits", action="store_true",
+                   help="swap: only the launches tune_dense --odd-splits adds (split-K 3, 5, 6, 12; M <= 32)")
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--min-gain", type=float, default=0.005, help="fraction of the step a config must save")
     p.add_argument("--out", default="tune-step-out")
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             bucket = bucket_key(base_doc.get("configs", {}).get(key), B)
             cands = []
             if "swap" in kinds:
-                space = tune_dense.candidates(B, N, K)
+                space = odd_split_launches(B, N, K) if args.odd_splits else tune_dense.candidates(B, N, K)
                 random.Random(N * 7 + K).shuffle(space)
                 cands += [(bucket, c) for c in space[: args.limit]]
             if "gemv" in kinds and B == 1:  # one token only: its own bucket, never M > 1
