@@ -24,25 +24,14 @@ import torch
 
 from shoal.bench import tune_dense as td
 from shoal.bench import tune_fp8 as tf
+from shoal.bench.tune_step import odd_split_launches
 from shoal.kernels import dense, fp8
-
-def _dense_key(c: dict, K: int) -> str:
-    return json.dumps(dense.finish_config(c, K), sort_keys=True)
-
-
-def _new_launches(odd: list[dict], plain: list[dict], key) -> list[dict]:
-    """The candidates of the ``--odd-splits`` space that are not launches of the plain space (a
-    split count of 5 or 12 can give the same effective split as 8 or 16), plus the table's."""
-    seen = {key(c) for c in plain}
-    return [c for c in odd if c.get("_old") or key(c) not in seen]
-
 
 def probe_dense(shapes: list[str], jobs: int, iters: int) -> list[dict]:
     plan = []
     for name in shapes:
         N, K = td.SHAPES[name]
-        cands = _new_launches(td.candidates(1, N, K, odd_splits=True), td.candidates(1, N, K),
-                              lambda c, K=K: _dense_key(c, K))
+        cands = odd_split_launches(1, N, K)
         old = dense.dense_config(1, N, K)
         if old:
             cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
@@ -63,8 +52,8 @@ def probe_fp8(shapes: list[str], jobs: int, iters: int) -> list[dict]:
     plan = []
     for name in shapes:
         N, K = tf.SHAPES[name]
-        cands = _new_launches(tf.candidates(1, N, K, odd_splits=True), tf.candidates(1, N, K),
-                              lambda c, K=K: tf._key(c, 1, K))
+        plain = {tf._key(c, 1, K) for c in tf.candidates(1, N, K)}  # (the packaged entry is marked _old)
+        cands = [c for c in tf.candidates(1, N, K, odd_splits=True) if c.get("_old") or tf._key(c, 1, K) not in plain]
         plan.append((name, N, K, 1, cands))
     tf.precompile([(N, K, M, c) for _, N, K, M, c in plan], jobs)
     rows = []

@@ -5,11 +5,11 @@ weights, 64 sequences at a 700-token context), interleaved rounds in one process
 
 A variant is a set of environment variables read when kernels are configured (``SHOAL_PDL``,
 ``SHOAL_FP8_PARTIALS``, ``SHOAL_ATTN_FP8_CONFIG``, ``SHOAL_DENSE_TUNED``; add others to ``VARIANTS``). For each one the step is re-captured for
-batches 1 and 64. Every timed chunk starts from the same slot state (positions, frames,
-repetition windows, last columns; the pages the timed steps write are allocated first), so
-each variant does the same work. The first step of a chunk must give the same codes in every
-variant of ``SAME_BITS`` (launch modes do not change the arithmetic); the script exits non-zero
-if it does not. Another GEMM table may change the last bits, so its codes are not compared.
+batches 1 and 64 and timed by ``shoal.bench.tune_step.StepTimer`` (from the same saved slot
+state every time; the pages the timed steps write are allocated first), so each variant does the
+same work. The last step of a measurement must give the same codes in every variant of
+``SAME_BITS`` (launch modes do not change the arithmetic); the script exits non-zero if it
+does not. Another GEMM table may change the last bits, so its codes are not compared.
 Prints ms per step and writes JSON to $OUT (or ./out).
 """
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from shoal.bench.random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
+from shoal.bench.tune_step import StepTimer, _short
 from shoal.engine.engine import Engine, EngineConfig
 from shoal.engine.request import EngineRequest, GridSession
 from shoal.engine.sampling import SamplingParams
@@ -43,12 +43,6 @@ VARIANTS = {
 }
 SAME_BITS = {"base", "nopdl", "fp8_reduced"}  # (split counts change the attention's last bits)
 KEYS = sorted({k for v in VARIANTS.values() for k in v})
-STATE = ("position", "frame", "window", "code_hist", "last_col", "first")
-
-
-def dense_short(c: dict) -> str:
-    return (f"{c.get('KIND')} {c['BLOCK_N']}x{c['BLOCK_M']}x{c['BLOCK_K']} split {c['SPLIT_K']} "
-            f"w{c['num_warps']} s{c['num_stages']}{' tma' if c.get('TMA') else ''}")
 
 
 def apply(env: dict) -> None:
@@ -58,6 +52,17 @@ def apply(env: dict) -> None:
     pa.pdl_enabled.cache_clear()
     fp8_fused.consumer_partials.cache_clear()
     dense.set_dense_table(None)  # re-reads $SHOAL_DENSE_TUNED; clears the config caches
+
+
+def print_launches(cfg) -> None:
+    """The bf16 GEMM launches the table in force gives the batch-1 step's layers."""
+    d = cfg.slow
+    on_table = torch.cuda.get_device_properties(0).multi_processor_count == dense.table_sms()
+    for label, n, k in (("wqkv", (d.n_head + 2 * d.n_local_heads) * d.head_dim, d.dim),
+                        ("wo", d.dim, d.n_head * d.head_dim), ("gate_up", 2 * d.intermediate_size, d.dim),
+                        ("down", d.dim, d.intermediate_size)):
+        c = dense.dense_config(1, n, k) if on_table else None
+        print(f"    M=1 {label}: " + (_short(c) if c else "cuBLAS"), flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -86,64 +91,35 @@ def main(argv: list[str]) -> int:
         eng.step()
     runner = eng.runner
     reps = 40
-    # pages for every position a timed chunk writes (the engine allocates them step by step)
+    # pages for every position a measurement writes (the engine allocates them step by step)
     for r in eng.scheduler.running:
         eng.pool.append_slots(r.request_id, reps + 8)
         runner.set_block_table(r.slot, eng.pool.block_table(r.request_id))
-    torch.cuda.synchronize()
     runner.slot_ids[:B].copy_(torch.tensor([r.slot for r in eng.scheduler.running], device=dev))
-    saved = {k: getattr(runner, k).clone() for k in STATE}
-
-    def restore() -> None:
-        for k in STATE:
-            getattr(runner, k).copy_(saved[k])
-
-    graphs = {}
-    for name in names:
-        apply(VARIANTS[name])
-        if name == "table" and not dense._table():
-            raise SystemExit(f"the table variant's file has no configs: {VARIANTS[name]}")
-        runner.buckets = [1, B]
-        runner.graphs = {}
-        t = time.perf_counter()
-        runner._capture_decode_graphs(False)
-        graphs[name] = dict(runner.graphs)
-        print(f"captured {name} ({VARIANTS[name]}) in {time.perf_counter() - t:.1f} s", flush=True)
-        d = cfg.slow  # the bf16 GEMM launches this variant's table gives the batch-1 step's layers
-        on_table = torch.cuda.get_device_properties(0).multi_processor_count == dense.table_sms()
-        for label, n, k in () if dtype != "bf16" else (("wqkv", (d.n_head + 2 * d.n_local_heads) * d.head_dim, d.dim),
-                            ("wo", d.dim, d.n_head * d.head_dim), ("gate_up", 2 * d.intermediate_size, d.dim),
-                            ("down", d.dim, d.intermediate_size)):
-            c = dense.dense_config(1, n, k) if on_table else None
-            print(f"    M=1 {label}: " + (dense_short(c) if c else "cuBLAS"), flush=True)
-    apply({})
+    torch.cuda.synchronize()
+    # each measurement re-captures the step for the variant in force, from the same saved state
+    timers = {b: StepTimer(eng, b, reps) for b in (1, B)}
     times: dict[str, dict[int, list[float]]] = {n: {1: [], B: []} for n in names}
     first: dict[int, torch.Tensor] = {}
     mismatch = []
     for r in range(rounds):
         for name in names:
+            apply(VARIANTS[name])
+            if name == "table" and not dense._table():
+                raise SystemExit(f"the table variant's file has no configs: {VARIANTS[name]}")
+            if r == 0 and dtype == "bf16":
+                print(f"{name} ({VARIANTS[name]}):", flush=True)
+                print_launches(cfg)
             for b in (1, B):
-                restore()
-                g = graphs[name][b]
-                with torch.inference_mode():
-                    g.replay()
-                    torch.cuda.synchronize()
-                    cols = runner.out_cols[:b].clone()
-                    if name in SAME_BITS:
-                        if b not in first:
-                            first[b] = cols
-                        elif not torch.equal(first[b], cols):
-                            mismatch.append((name, b, r))
-                    for _ in range(3):
-                        g.replay()
-                    torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    for _ in range(reps):
-                        g.replay()
-                    torch.cuda.synchronize()
-                times[name][b].append((time.perf_counter() - t) / reps * 1e3)
-    restore()
-    print(f"{dtype}: ms per step (graph replay, {reps} steps x {rounds} rounds; median [min-max])")
+                times[name][b].append(timers[b].measure())
+                cols = runner.out_cols[:b].clone()  # the same step from the same state in every variant
+                if name in SAME_BITS:
+                    if b not in first:
+                        first[b] = cols
+                    elif not torch.equal(first[b], cols):
+                        mismatch.append((name, b, r))
+    apply({})
+    print(f"{dtype}: ms per step (median of {reps} graph replays, {rounds} rounds; median [min-max])")
     base = names[0]
     res = {}
     for name in names:
@@ -157,7 +133,7 @@ def main(argv: list[str]) -> int:
                   f"{(ref / med - 1) * 100:+5.1f}% vs {base}", flush=True)
         res[name] = {"env": VARIANTS[name], **{str(k): v for k, v in row.items()}}
     if mismatch:
-        print(f"MISMATCH: first-step codes differ from the first variant's in {mismatch}")
+        print(f"MISMATCH: codes differ from the first same-bits variant's in {mismatch}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"step-variants-{dtype}.json").write_text(json.dumps({

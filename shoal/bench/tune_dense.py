@@ -33,7 +33,7 @@ from shoal.kernels import dense
 from shoal.kernels.paged_attention import pdl_enabled
 
 from .kernels_fp8 import SHAPES, _log, time_graph
-from .tune_fp8 import SMS, _cdiv, _splits
+from .tune_fp8 import ODD_SPLITS, SMS, _cdiv, _splits
 
 TUNE_SHAPES = ("gate_up", "wqkv", "wo", "down", "semantic_head", "fast_head")
 MS = (1, 4, 16, 32, 64, 128)
@@ -49,21 +49,20 @@ def _token_tile(M: int) -> int:
     return max(16, min(dense.MAX_M, 1 << max(0, M - 1).bit_length()))
 
 
+def launch_key(c: dict, K: int) -> str:
+    """One string per distinct kernel launch of a config (after ``finish_config``)."""
+    return json.dumps(dense.finish_config(c, K), sort_keys=True)
+
+
 def _unique(cands: list[dict], K: int) -> list[dict]:
     """``cands`` without the ones that launch the same kernel as an earlier one."""
     seen, uniq = set(), []
     for c in cands:
-        key = json.dumps(dense.finish_config(c, K), sort_keys=True)
+        key = launch_key(c, K)
         if key not in seen:
             seen.add(key)
             uniq.append(c)
     return uniq
-
-
-ODD_SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-"""Split-K counts of ``--odd-splits`` (M <= 32): besides the powers of two, counts that bring a
-shape's program count nearer a whole number of waves on 132 SMs (e.g. wo at M = 1: 40 weight
-tiles x 3 splits = 120 programs, where 2 give 80 and 4 give 160)."""
 
 
 def candidates(M: int, N: int, K: int, prefetch: bool = False, tile: bool = False,
@@ -348,15 +347,12 @@ def main(argv=None) -> int:
         for M in ms:
             if args.mma_v2:
                 cands = mma_v2_candidates(M, N, K)
-                old = dense.dense_config(M, N, K)  # the active table's choice competes too
-                if old:
-                    cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
             else:
                 cands = candidates(M, N, K, prefetch=args.prefetch, tile=args.tile, streamk=args.streamk,
                                    odd_splits=args.odd_splits)
-                old = dense.dense_config(M, N, K)  # the active table's choice, timed and reported
-                if old:
-                    cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
+            old = dense.dense_config(M, N, K)  # the active table's choice competes, and is reported
+            if old:
+                cands.append({**{k: v for k, v in old.items() if k != "k_per_split"}, "_old": True})
             plan.append((name, N, K, M, cands[:args.max_candidates] if args.max_candidates else cands))
     if args.swiglu:
         N2, K2 = SHAPES["gate_up"]

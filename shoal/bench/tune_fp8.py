@@ -118,9 +118,9 @@ def mma_v2_candidates(M: int, N: int, K: int) -> list[dict]:
 
 
 ODD_SPLITS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
-"""Split-K counts of ``--odd-splits`` (swap kernel, M <= 32): counts that bring a shape's program
-count nearer a whole number of waves on 132 SMs (e.g. down at M = 1: 20 weight tiles x 8 splits
-= 160 programs, 28 SMs running two; x 6 = 120), besides the powers of two."""
+"""Split-K counts of both tuners' ``--odd-splits`` (M <= 32): besides the powers of two, counts
+that bring a shape's program count nearer a whole number of waves on 132 SMs (e.g. bf16 wo at
+M = 1: 40 weight tiles x 3 splits = 120 programs, where 2 give 80 and 4 give 160)."""
 
 
 def candidates(M: int, N: int, K: int, seeds: list[dict] | None = None, mma_v2: bool = False,

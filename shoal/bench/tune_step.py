@@ -58,18 +58,13 @@ def projections(model) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def _launch_key(c: dict, K: int) -> str:
-    """One string per distinct launch of a dense config."""
-    return json.dumps(dense.finish_config(c, K), sort_keys=True)
-
-
 def odd_split_launches(M: int, N: int, K: int) -> list[dict]:
     """The swap-space launches that ``tune_dense --odd-splits`` adds for this cell (none where
     K is too short for a new effective split count)."""
     from . import tune_dense
 
-    plain = {_launch_key(c, K) for c in tune_dense.candidates(M, N, K)}
-    return [c for c in tune_dense.candidates(M, N, K, odd_splits=True) if _launch_key(c, K) not in plain]
+    plain = {tune_dense.launch_key(c, K) for c in tune_dense.candidates(M, N, K)}
+    return [c for c in tune_dense.candidates(M, N, K, odd_splits=True) if tune_dense.launch_key(c, K) not in plain]
 
 
 def gemv_candidates(N: int, K: int, sms: int = 132) -> list[dict]:
