@@ -34,7 +34,7 @@ from ..envutil import env_int
 from ..model.dualar import DualAR
 from .attention import (FastCacheBackend, PagedDecodeBackend, PagedKVCache, PagedPrefillBackend,
                         SegmentedPrefillBackend)
-from ..kernels import prefill_attention
+from ..kernels import fp8_cublas, prefill_attention
 from ..kernels.paged_attention import pdl_in_prefill, pdl_suppressed
 from ..kernels.sampling import s2_main_sample, s2_residual_sample
 from .sampling import (DRAWS_PER_FRAME, BatchSampling, SamplingParams, residual_code, residual_noise,
@@ -158,6 +158,8 @@ class ModelRunner:
         dev, dt = model.device, model.dtype
         self.device = dev
         model.set_allowed_tokens([im_end_id])
+        if dev.type == "cuda" and any(hasattr(m, "weight_q") for m in model.modules()):
+            fp8_cublas.prepare(dev)  # prefill-sized FP8 GEMMs through cuBLAS, if it checks out
         s, f = mc.slow, mc.fast
         # one extra block and one extra slot are scratch space for padding rows
         self.scratch_block = cfg.num_blocks

@@ -85,6 +85,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fp8_cublas
 from .paged_attention import HAS_TRITON, pdl_options, tl, triton, triton_interpreting
 
 __all__ = [
@@ -786,6 +787,8 @@ def _launch_gemm(x: Tensor, x_s: Tensor | None, W_q: Tensor, W_s: Tensor, out: T
     if M == 0 or N == 0 or K == 0:
         out = _out_buffer(out, M, N, x.device)
         return out.zero_() if K == 0 else out
+    if config is None and x_s is not None and not interpret and fp8_cublas.usable(x, x_s, W_q, W_s):
+        return fp8_cublas.gemm(x, x_s, W_q, W_s, out)  # prefill sizes: cuBLAS block-scaled
     base = _gemm_config(M, N, K, _device_sms(x))
     if config:  # an explicit config names its kernel: no KIND / REDUCE means "tile" / "kernel"
         base = {k: v for k, v in base.items() if k not in ("KIND", "REDUCE", "KB_STEP", "TMA", "M_FAST")}
