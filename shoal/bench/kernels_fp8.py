@@ -11,12 +11,16 @@ semantic head 4097x2560, fast head 1024x2560) and every M in --ms:
 * **timing** (microseconds per call, median of ``--iters`` CUDA-graph replays, each replay
   running one call per weight copy, the copies totalling >= 256 MB (H200 L2: 50 MB), so
   weights are read cold from HBM):
-  - ``fp8``: our GEMM alone (activation pre-quantized);
+  - ``fp8``: our GEMM alone (activation pre-quantized); from M = 256 (``SHOAL_FP8_CUBLAS_MIN_M``)
+    the dispatcher sends it to cuBLAS's block-scaled GEMM, and the cell's ``fp8_backend``
+    and printed config say so;
   - ``fp8+q``: ``fp8_linear``, the GEMM with the activation quantize fused in (what a
     linear layer costs);
   - ``bf16``: ``F.linear`` (cuBLAS) on bf16 weights;
   - ``scaled_mm``: ``torch._scaled_mm`` rowwise (per-token x per-channel fp32 scales), if
-    this torch/GPU supports it (M padded to a multiple of 16 when required).
+    this torch/GPU supports it (M padded to a multiple of 16 when required);
+  - ``scaled_mm_block``: ``torch._scaled_mm`` with our 1x128 / 128x128 block scales in the
+    layouts cuBLAS takes (``shoal.kernels.fp8_cublas.gemm``; sm_90, cuBLASLt >= 12.9).
   Effective TB/s = (weight + activation + output bytes) / time.
 
 ``--mlp`` also times the whole MLP block (``fp8``: the GEMMs reduce their own split-K;
@@ -49,7 +53,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from shoal.kernels import fp8
+from shoal.kernels import fp8, fp8_cublas
 
 SHAPES = {  # name -> (N, K)
     "wqkv": (6144, 2560),
@@ -135,6 +139,8 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
             cell["cos_vs_bf16"] = F.cosine_similarity(y.float().flatten(), yb.flatten(), dim=0).item()
             cell["ok"] = bool(cell["rel_vs_ref"] <= 2.0 ** -7 and cell["cos_vs_bf16"] > 0.995)
             cell["config"] = {k: v for k, v in fp8._gemm_config(M, N, K, fp8._device_sms(xq)).items()}
+            # prefill-sized products go to cuBLAS's block-scaled GEMM (shoal.kernels.fp8_cublas)
+            cell["fp8_backend"] = "cublas-block" if fp8_cublas.usable(xq, xs, Wq, Ws) else "triton"
             outs = [torch.empty(M, N, dtype=torch.bfloat16, device=dev) for _ in range(max(n8, n16))]
             fp8_bytes = N * K + N * -(-K // 128) * 4 + M * K + M * N * 2
             bf16_bytes = 2 * N * K + 2 * M * K + M * N * 2
@@ -160,22 +166,12 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
                 except Exception as e:  # noqa: BLE001
                     cell["scaled_mm_error"] = f"{type(e).__name__}: {e}"[:300]
             if do_scaled_mm:
-                err = []
-                for label, sa, sb in (("kmajor", xs.t().contiguous().t(), Ws.t().contiguous().t()),
-                                      ("plain", xs, Ws)):
-                    try:  # blockwise 1x128 x 128x128 scales (recent torch + cuBLAS on sm_90)
-                        torch._scaled_mm(xq, wq_copies[0][0].t(), scale_a=sa, scale_b=sb,
-                                         out_dtype=torch.bfloat16)
-                        bw = [(c[0].t(), c[1].t().contiguous().t() if label == "kmajor" else c[1]) for c in wq_copies]
-                        t["scaled_mm_block"] = time_graph(
-                            [lambda i=i: torch._scaled_mm(xq, bw[i][0], scale_a=sa, scale_b=bw[i][1],  # noqa: B023
-                                                          out_dtype=torch.bfloat16) for i in range(n8)], iters)
-                        cell["scaled_mm_block_layout"] = label
-                        break
-                    except Exception as e:  # noqa: BLE001
-                        err.append(f"{label}: {type(e).__name__}: {e}"[:200])
-                if "scaled_mm_block" not in t:
-                    cell["scaled_mm_block_error"] = err
+                try:  # blockwise 1x128 x 128x128 scales (torch + cuBLASLt >= 12.9 on sm_90), in its layouts
+                    fp8_cublas.gemm(xq, xs, *wq_copies[0])
+                    t["scaled_mm_block"] = time_graph(
+                        [lambda i=i: fp8_cublas.gemm(xq, xs, *wq_copies[i]) for i in range(n8)], iters)  # noqa: B023
+                except Exception as e:  # noqa: BLE001
+                    cell["scaled_mm_block_error"] = f"{type(e).__name__}: {e}"[:300]
             cell["us"] = t
             cell["tbps"] = {k: (fp8_bytes if k.startswith("fp8") or k == "scaled_mm" else bf16_bytes) / (v * 1e-6) / 1e12
                             for k, v in t.items()}
@@ -358,7 +354,8 @@ def _print_row(c):
 
     _log(f"{c['shape']:>14} {c['M']:>5} | {f('fp8')} | {f('fp8+q')} | {f('bf16')} | {f('scaled_mm')} | {f('scaled_mm_block')} | "
          f"{c.get('speedup_vs_bf16', 0):5.2f}x | rel {c['rel_vs_ref']:.1e} cos {c['cos_vs_bf16']:.5f} "
-         f"{'ok' if c['ok'] else 'BAD'} | {_short_config(c.get('config'))}")
+         f"{'ok' if c['ok'] else 'BAD'} | "
+         f"{'cuBLAS block-scaled' if c.get('fp8_backend') == 'cublas-block' else _short_config(c.get('config'))}")
 
 
 def _short_config(c) -> str:
