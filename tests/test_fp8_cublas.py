@@ -4,6 +4,8 @@ product against the reference."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -44,7 +46,7 @@ def _fake_scaled_mm(calls: list):
 def test_gemm_hands_cublas_its_scale_layouts(monkeypatch):
     calls: list = []
     monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm(calls))
-    xq, xs, Wq, Ws = _operands(48, 256, 512)
+    xq, xs, Wq, Ws = _operands(48, 256, 2560)  # K/128 = 20 scale columns, as at S2-Pro's dim
     ref = fp8.fp8_gemm_ref(xq, xs, Wq, Ws).float()
     y = fp8_cublas.gemm(xq, xs, Wq, Ws).float()
     assert (y - ref).abs().max() <= 2.0 ** -7 * ref.abs().max()
@@ -65,6 +67,29 @@ def test_row_major_scales_would_be_misread(monkeypatch):
     xq, xs, Wq, Ws = _operands(48, 256, 512)
     with pytest.raises(AssertionError, match="scale_a"):
         torch._scaled_mm(xq, Wq.t(), scale_a=xs, scale_b=Ws.t(), out_dtype=torch.bfloat16)
+
+
+class _Routed(Exception):
+    pass
+
+
+def test_launch_gemm_routes_to_cublas_only_without_an_explicit_config(monkeypatch):
+    xq, xs, Wq, Ws = _operands(256, 256, 512)
+    seen = []
+    monkeypatch.setattr(fp8_cublas, "usable", lambda *a: True)
+    monkeypatch.setattr(fp8_cublas, "gemm", lambda x_q, x_s, W_q, W_s, out: seen.append(out) or "cublas")
+    assert fp8._launch_gemm(xq, xs, Wq, Ws, None, 256, 256, 512, None, False) == "cublas"
+    assert seen == [None]
+
+    def past_the_branch(*a, **k):
+        raise _Routed
+
+    monkeypatch.setattr(fp8, "_gemm_config", past_the_branch)
+    with pytest.raises(_Routed):  # a tuner's explicit config always times the Triton kernel
+        fp8._launch_gemm(xq, xs, Wq, Ws, None, 256, 256, 512, {"BLOCK_M": 64}, False)
+    with pytest.raises(_Routed):  # the interpreter never calls cuBLAS
+        fp8._launch_gemm(xq, xs, Wq, Ws, None, 256, 256, 512, None, True)
+    assert seen == [None]
 
 
 def test_min_m_reads_the_environment(monkeypatch):
@@ -94,15 +119,32 @@ needs_sm90 = pytest.mark.skipif(
 
 
 @needs_sm90
-def test_gpu_prefill_gemm_goes_through_cublas_and_matches_reference():
+@pytest.mark.skipif(fp8_cublas.MIN_M_ENV in os.environ, reason="routing set by the environment")
+def test_gpu_prefill_gemm_goes_through_cublas_and_matches_reference(monkeypatch):
     assert fp8_cublas.prepare(torch.device("cuda")), "the probe failed on this sm_90 GPU"
+    calls = []
+    real = fp8_cublas.gemm
+    monkeypatch.setattr(fp8_cublas, "gemm", lambda *a: calls.append(a[0].shape) or real(*a))
     for M, N, K in ((1024, 2560, 9728), (256, 6144, 2560), (512, 19456, 2560)):
         xq, xs, Wq, Ws = _operands(M, N, K, device="cuda")
-        assert fp8_cublas.usable(xq, xs, Wq, Ws)
         ref = fp8.fp8_gemm_ref(xq, xs, Wq, Ws).float()
+        tol = 2.0 ** -7 * ref.abs().max()
         y = fp8.fp8_gemm(xq, xs, Wq, Ws).float()  # the dispatcher routes it
-        assert (y - ref).abs().max() <= 2.0 ** -7 * ref.abs().max()
+        assert calls[-1] == (M, K)
+        assert (y - ref).abs().max() <= tol
         triton_y = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config={"BLOCK_M": 64, "BLOCK_N": 64}).float()
-        assert (triton_y - y).abs().max() <= 2.0 ** -7 * ref.abs().max()
+        assert (triton_y - y).abs().max() <= tol
+        # a strided out (row stride != N) and partials=True: a bf16 result written into out
+        big = torch.zeros(M, N + 128, dtype=torch.bfloat16, device="cuda")
+        r = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, out=big[:, :N], partials=True)
+        assert isinstance(r, torch.Tensor) and torch.equal(big[:, :N].float(), y)
+    # the w1 / w3 halves of a stacked w13 (row slices, as DualAR.enable_fused_kernels makes)
+    xq, xs, Wq, Ws = _operands(512, 2 * 1024, 2560, device="cuda")
+    half_q, half_s = Wq[1024:], Ws[1024 // 128:]
+    n = len(calls)
+    y = fp8.fp8_gemm(xq, xs, half_q, half_s).float()
+    assert len(calls) == n + 1
+    ref = fp8.fp8_gemm_ref(xq, xs, half_q, half_s).float()
+    assert (y - ref).abs().max() <= 2.0 ** -7 * ref.abs().max()
     xq, xs, Wq, Ws = _operands(64, 2560, 9728, device="cuda")
     assert not fp8_cublas.usable(xq, xs, Wq, Ws)  # decode sizes stay on the Triton kernels

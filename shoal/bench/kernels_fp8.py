@@ -138,9 +138,10 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
             cell["rel_vs_ref"] = ((y.float() - y_ref.float()).abs().max() / y_ref.float().abs().max()).item()
             cell["cos_vs_bf16"] = F.cosine_similarity(y.float().flatten(), yb.flatten(), dim=0).item()
             cell["ok"] = bool(cell["rel_vs_ref"] <= 2.0 ** -7 and cell["cos_vs_bf16"] > 0.995)
-            cell["config"] = {k: v for k, v in fp8._gemm_config(M, N, K, fp8._device_sms(xq)).items()}
             # prefill-sized products go to cuBLAS's block-scaled GEMM (shoal.kernels.fp8_cublas)
             cell["fp8_backend"] = "cublas-block" if fp8_cublas.usable(xq, xs, Wq, Ws) else "triton"
+            if cell["fp8_backend"] == "triton":
+                cell["config"] = {k: v for k, v in fp8._gemm_config(M, N, K, fp8._device_sms(xq)).items()}
             outs = [torch.empty(M, N, dtype=torch.bfloat16, device=dev) for _ in range(max(n8, n16))]
             fp8_bytes = N * K + N * -(-K // 128) * 4 + M * K + M * N * 2
             bf16_bytes = 2 * N * K + 2 * M * K + M * N * 2
@@ -173,7 +174,7 @@ def bench_shape(name, N, K, ms, iters, results, do_scaled_mm):
                 except Exception as e:  # noqa: BLE001
                     cell["scaled_mm_block_error"] = f"{type(e).__name__}: {e}"[:300]
             cell["us"] = t
-            cell["tbps"] = {k: (fp8_bytes if k.startswith("fp8") or k == "scaled_mm" else bf16_bytes) / (v * 1e-6) / 1e12
+            cell["tbps"] = {k: (fp8_bytes if k.startswith(("fp8", "scaled_mm")) else bf16_bytes) / (v * 1e-6) / 1e12
                             for k, v in t.items()}
             cell["speedup_vs_bf16"] = t["bf16"] / t["fp8"]
         except Exception as e:  # noqa: BLE001 - print and continue
@@ -222,7 +223,8 @@ def bench_mlp(ms, iters, results):
             cell["cos_vs_bf16"] = F.cosine_similarity(y.flatten(), yb.flatten(), dim=0).item()
             cell["partials_exact"] = bool(torch.equal(ours_partials(0), ours(0)))
             cell["ok"] = bool(cell["cos_vs_bf16"] > 0.99 and cell["partials_exact"])
-            cell["configs"] = {k: fp8._gemm_config(M, n, kk, fp8._device_sms(x))
+            cell["configs"] = {k: "cuBLAS block-scaled" if fp8_cublas.routes(M, n, kk, x.device)
+                               else fp8._gemm_config(M, n, kk, fp8._device_sms(x))
                                for k, (n, kk) in (("gate_up", (19456, 2560)), ("down", (2560, 9728)))}
             t = {"fp8": time_graph([lambda i=i: ours(i) for i in range(n8)], iters),
                  "fp8_partials": time_graph([lambda i=i: ours_partials(i) for i in range(n8)], iters),
@@ -231,7 +233,8 @@ def bench_mlp(ms, iters, results):
             cell["speedup_vs_bf16"] = t["bf16"] / min(t["fp8"], t["fp8_partials"])
             _log(f"{'mlp':>14} {M:>5} | fp8 {t['fp8']:8.2f} us | fp8 (gate_up partials -> SwiGLU) "
                  f"{t['fp8_partials']:8.2f} us | bf16 {t['bf16']:8.2f} us | {cell['speedup_vs_bf16']:5.2f}x | "
-                 f"cos {cell['cos_vs_bf16']:.5f} {'ok' if cell['ok'] else 'BAD'}")
+                 f"cos {cell['cos_vs_bf16']:.5f} {'ok' if cell['ok'] else 'BAD'}"
+                 + (" (GEMMs: cuBLAS block-scaled)" if isinstance(cell["configs"]["gate_up"], str) else ""))
         except Exception as e:  # noqa: BLE001
             cell["error"] = f"{type(e).__name__}: {e}"[:500]
             _log(f"  mlp/M{M}: FAILED {cell['error']}")

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..envutil import env_int
 
-__all__ = ["MIN_M_ENV", "gemm", "min_m", "prepare", "usable"]
+__all__ = ["MIN_M_ENV", "gemm", "min_m", "prepare", "routes", "usable"]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def prepare(device: torch.device) -> bool:
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             ok = err <= 2.0 ** -7
             why = f"probe error {err:.2e}"
-        except (RuntimeError, TypeError, NotImplementedError) as e:
+        except Exception as e:  # noqa: BLE001 (torch raises RuntimeError / ValueError / ...: any means "not here")
             why = f"{type(e).__name__}: {str(e)[:200]}"
     _verified[idx] = ok
     log.info("FP8 GEMMs with >= %d rows %s cuBLAS block-scaled (%s)", min_m(),
@@ -99,21 +99,27 @@ def prepare(device: torch.device) -> bool:
     return ok
 
 
-def usable(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor) -> bool:
-    """Whether this product goes to cuBLAS: CUDA, at least :func:`min_m` rows, M a multiple of
-    16, N and K multiples of 128 with K/128 a multiple of 4 (cuBLAS's scale tiles), contiguous
-    operands and scales, and a verified device (probed here if not yet, unless a CUDA graph
-    is being captured)."""
-    M, K = x_q.shape
-    N = W_q.shape[0]
+def routes(M: int, N: int, K: int, device: torch.device) -> bool:
+    """Whether an ``M x N x K`` product on ``device`` goes to cuBLAS, by shape and device alone
+    (:func:`usable` adds the operands' contiguity and alignment): CUDA, at least :func:`min_m`
+    rows, M a multiple of 16, N a multiple of 128 and K of 512 (K/128 a multiple of 4: cuBLAS's
+    scale tiles), and a verified device (probed here if not yet, unless a CUDA graph is being
+    captured)."""
     lo = min_m()
-    if not (lo and M >= lo and x_q.is_cuda and M % 16 == 0 and N % 128 == 0 and K % 512 == 0):
+    if not (lo and M >= lo and device.type == "cuda" and M % 16 == 0 and N % 128 == 0 and K % 512 == 0):
         return False
-    if not (x_q.is_contiguous() and W_q.is_contiguous() and x_s.is_contiguous() and W_s.is_contiguous()):
-        return False
-    idx = _index(x_q.device)
+    idx = _index(device)
     if idx not in _verified:
         if torch.cuda.is_current_stream_capturing():
             return False
-        prepare(x_q.device)
+        prepare(device)
     return _verified[idx]
+
+
+def usable(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor) -> bool:
+    """Whether this product goes to cuBLAS: :func:`routes` for its shape, and contiguous,
+    16-byte aligned operands and scales."""
+    M, K = x_q.shape
+    if not routes(M, W_q.shape[0], K, x_q.device):
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x_q, W_q, x_s, W_s))
