@@ -77,6 +77,18 @@ def main(argv):
         q = torch.empty(M, H, D, device=dev, dtype=bf)
         t["qk_norm_rope_write"] = timed(lambda: fused.qk_norm_rope_write(
             qkv, pos, cs, qw, kw, 1e-6, kc, vc, slots, H, Hkv, D, q_out=q))
+        # in context: each kernel after the cuBLAS GEMM that feeds it (as in a prefill layer);
+        # its cost there = (GEMM + kernel) - GEMM alone
+        w13 = torch.randn(2 * inter, dim, device=dev, dtype=bf) * dim ** -0.5
+        wo = torch.randn(dim, H * D, device=dev, dtype=bf) * (H * D) ** -0.5
+        xa = torch.randn(M, H * D, device=dev, dtype=bf)
+        gu2 = torch.empty(M, 2 * inter, device=dev, dtype=bf)
+        a2 = torch.empty(M, dim, device=dev, dtype=bf)
+        t["gemm_w13"] = timed(lambda: torch.matmul(x, w13.t(), out=gu2))
+        t["gemm_w13+silu_mul"] = timed(lambda: (torch.matmul(x, w13.t(), out=gu2), fused.silu_mul(gu2, out=so)))
+        t["gemm_wo"] = timed(lambda: torch.matmul(xa, wo.t(), out=a2))
+        t["gemm_wo+add_rmsnorm"] = timed(lambda: (torch.matmul(xa, wo.t(), out=a2),
+                                                  fused.add_rmsnorm(a2, r, w, 1e-6, out=out, h_out=h)))
         nbytes = {"add_rmsnorm": 4 * M * dim * 2, "silu_mul": 3 * M * inter * 2,
                   "qk_norm_rope_write": 2 * M * (H + 2 * Hkv) * D * 2}
         cell = {"M": M, "us": t, "tbps": {k: nbytes[k] / (t[k] * 1e-6) / 1e12 for k in nbytes}}

@@ -22,12 +22,15 @@ from ..engine.sampling import SamplingParams
 from .random_model import S2_IM_END, random_dualar, random_prompt, s2_pro_config
 
 
-def profile_prefill(model, cfg, dev, tokens: int, kv_cache_dtype: str | None = None) -> dict:
+def profile_prefill(model, cfg, dev, tokens: int, kv_cache_dtype: str | None = None,
+                    prefill_graphs: bool | None = None) -> dict:
     """Wall time and top CPU / GPU ops of the engine steps that prefill one prompt (after a
     warm-up request of the same length, so compilation is excluded; with the CUDA graphs of a
-    serving engine: prefill chunks up to the largest prefill bucket replay a graph)."""
+    serving engine: prefill chunks up to the largest prefill bucket replay a graph, unless
+    ``prefill_graphs`` is False (None: the engine's default): then they run eagerly, as with ``--no-prefill-graphs``)."""
     eng = Engine(model, S2_IM_END, config=EngineConfig(max_running=4, max_seq_len=4096, num_blocks=1024,
-                                                       kv_cache_dtype=kv_cache_dtype))
+                                                       kv_cache_dtype=kv_cache_dtype,
+                                                       prefill_graphs=prefill_graphs))
     eng.runner.capture_graphs(show_progress=False)  # decode + prefill graphs, as when serving
     rng = np.random.default_rng(0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -49,11 +52,12 @@ def profile_prefill(model, cfg, dev, tokens: int, kv_cache_dtype: str | None = N
     with torch.profiler.profile(activities=acts) as prof:
         one(2)
     ka = prof.key_averages()
-    print(f"=== prefill {tokens} tokens + 1 frame: {wall * 1e3:.1f} ms wall", flush=True)
+    print(f"=== prefill {tokens} tokens + 1 frame ({'eager' if prefill_graphs is False else 'graph'} prefill): "
+          f"{wall * 1e3:.1f} ms wall", flush=True)
     print(ka.table(sort_by="cpu_time_total", row_limit=20), flush=True)
     if dev.type == "cuda":
         print(ka.table(sort_by="self_device_time_total", row_limit=15), flush=True)
-    return {"tokens": tokens, "wall_ms": wall * 1e3,
+    return {"tokens": tokens, "wall_ms": wall * 1e3, "prefill_graphs": prefill_graphs,
             "top_cpu": [{"name": e.key[:120], "cpu_ms": e.cpu_time_total / 1e3, "count": e.count}
                         for e in sorted(ka, key=lambda e: -e.cpu_time_total)[:30]]}
 
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the KV cache's dtype (default: $SHOAL_KV_CACHE_DTYPE, else auto)")
     p.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                    help="instead: profile the engine steps that prefill one TOKENS-token prompt")
+    p.add_argument("--no-prefill-graphs", action="store_true",
+                   help="with --prefill: run the prefill chunk eagerly instead of replaying its graph")
     args = p.parse_args(argv)
     from ..quant.kv import kv_cache_dtype_arg
 
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                           quantization=args.quantization)
     report = {"quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     if args.prefill:
-        report["prefill"] = profile_prefill(model, cfg, dev, args.prefill, args.kv_cache_dtype)
+        report["prefill"] = profile_prefill(model, cfg, dev, args.prefill, args.kv_cache_dtype,
+                                            prefill_graphs=False if args.no_prefill_graphs else None)
         (out / "profile_step.json").write_text(json.dumps(report, indent=1))
         return 0
     for B in [int(b) for b in args.batch.split(",")]:
