@@ -25,16 +25,12 @@
 #      0.972 GiB on an H100 at 33be044).
 # PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem; e.g.
 # back-to-back calls on one warm machine (it goes back after 30 s idle). What is still waiting
-# (2026-12-07, twelfth session: no H200 came; the tests and mem parts ran on an H100): on an
-# H200 PARTS="engine audio mem" (the #3 / #6 targets with the codec's current defaults, first
-# audio at c=64, the codec's memory there); and, on any GPU, whether the odd split-K table takes
-# effect in the step (AB_DENSE_TABLE=DIR with benchmarks/results/2026-12-07-dense-table-oddsplits-
-# wo-down-m1.json as DIR/dense_tuned.json; python benchmarks/scripts/step_variants_ab.py bf16 3
-# base table prints each variant's batch-1 launches; or shoal bench dense-step --batch 1 --shapes
-# wo,down --kinds swap --odd-splits); and the FP8 split-K GEMMs reducing their own
-# partials (python benchmarks/scripts/step_variants_ab.py fp8 3 base fp8_reduced; the GPU test
-# tests/test_fp8_fusion.py -k gpu checks its bits). AB_ROUNDS (default 2) sets the A/B's
-# rounds; ANY_GPU=1 runs the engine step on an H100 too.
+# (2026-12-07, thirteenth session: no H200 came; the twelfth session's A/Bs ran on an H100 and
+# were rejected, see docs/benchmarks.md): on an H200 PARTS="engine audio mem" (the #3 / #6
+# targets with the codec's current defaults and FP8 prefill through cuBLAS's block-scaled GEMM,
+# first audio at c=64, the codec's memory there); with FP8, also the same engine run with
+# SHOAL_FP8_CUBLAS_MIN_M=0 beside it (the Triton prefill GEMMs; +2.2% at c=64 on an H100).
+# AB_ROUNDS (default 2) sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
