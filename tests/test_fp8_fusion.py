@@ -50,7 +50,7 @@ K_IN = 640  # 5 K blocks: 1, 2 and 5 splits are all exact
 KERNEL_CASES = {f"m{M}_n{N}_split{sp}": (M, N, sp, heads)
                 for M in (1, 3, 33) for sp in (1, 2, 5)
                 for N, heads in ((256, (2, 1, 64)),) + (((320, (6, 2, 32)),) if (M, sp) == (3, 5) else ())}
-EXTRA_CASES = ["norm_plain_inputs", "model_split1", "model_split2", "model_reduced_split2"]
+EXTRA_CASES = ["norm_plain_inputs", "model_split1", "model_split2", "model_reduced_split2", "model_attn_quant"]
 
 
 def _gemm_case(M, N, split, heads):
@@ -278,11 +278,48 @@ def _model_passes(model, split, counts, reduced=False):
     return {"checks": {}, "flags": flags}
 
 
+@functools.cache
+def _worker_model_d128():
+    return tiny_fp8_model(heads=(4, 2, 128))
+
+
+def _attn_quant_flags(model, rows_list=(1, 3)):
+    """The fast stack with SHOAL_FP8_ATTN_QUANT off and on (the attention kernel quantizes wo's
+    input): the same hidden state and caches, and no activation quantize launch left."""
+    from shoal.kernels import fused
+
+    flags = {}
+    for rows in rows_list:
+        outs, quant_calls = [], []
+        for on in (False, True):
+            calls = [0]
+            real = fp8.quantize_act_triton
+
+            def counting(*a, **k):
+                calls[0] += 1
+                return real(*a, **k)
+
+            with _patched(fp8_fused, attn_quant=lambda on=on: on), _patched(fp8, quantize_act_triton=counting):
+                outs.append(tuple(t.clone() for t in run_layer_stack(model, "fast", rows, 3)))
+            quant_calls.append(calls[0])
+        for name, a, b in zip(("hidden", "k", "v"), *outs):
+            flags[f"r{rows}_{name}_exact"] = _same(a, b)
+        # off: wo's input quantized by its own launch in every layer; on: by the attention kernel
+        flags[f"r{rows}_quantize_launches"] = quant_calls == [len(model.fast_layers), 0]
+    flags["fast_rope_attention_on"] = fused.fast_rope_attention_enabled()
+    return flags
+
+
 def _interp_case(name):
     if name in KERNEL_CASES:
         return _gemm_case(*KERNEL_CASES[name])
     if name == "norm_plain_inputs":
         return _norm_plain_case()
+    if name == "model_attn_quant":
+        from shoal.quant.fp8 import FP8Linear
+
+        with _patched(FP8Linear, use_kernels=lambda self, x: self.quantize_activations and fp8.use_triton(x)):
+            return {"checks": {}, "flags": _attn_quant_flags(_worker_model_d128())}
     return _model_case(int(name[-1]), reduced="reduced" in name)
 
 
@@ -397,6 +434,14 @@ def _check_fused_equals_unfused(model, M, stack):
     for name, a, b in zip(("hidden", "k cache", "v cache"), outs[0], outs[1]):
         n_bad = int((a.view(torch.int16) != b.view(torch.int16)).sum())
         assert n_bad == 0, f"{name}: {n_bad} of {a.numel()} elements differ (M={M}, {stack})"
+
+
+@cuda
+def test_gpu_fp8_attention_quantizes_wo_input(s2_pro_fp8):
+    """SHOAL_FP8_ATTN_QUANT at S2-Pro shapes: the fast stack's bits unchanged at M = 1 and 64,
+    and wo's activation quantize launch gone."""
+    flags = _attn_quant_flags(s2_pro_fp8, rows_list=(1, 64))
+    assert all(flags.values()), {k: v for k, v in flags.items() if not v}
 
 
 @cuda

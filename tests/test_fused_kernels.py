@@ -120,7 +120,7 @@ for _dt in ("fp32", "bf16"):
         INTERP_CASES[f"silu_mul_{_dt}_i{_inter}_b{_block}"] = ("silu_mul", _dt, _inter, _block)
     for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (4, 4, 128, 7), (6, 2, 64, 3)):
         INTERP_CASES[f"fast_attn_{_dt}_h{_h}_kv{_hkv}_d{_d}_len{_len}"] = ("fast_attn", _dt, _h, _hkv, _d, _len)
-    for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (6, 2, 64, 3)):
+    for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (6, 2, 64, 3), (8, 2, 128, 4)):
         INTERP_CASES[f"fast_rope_attn_{_dt}_h{_h}_kv{_hkv}_d{_d}_len{_len}"] = ("fast_rope_attn", _dt, _h, _hkv, _d, _len)
 EXTRA_CASES = [
     "add_rmsnorm_bf16_fp32_weight",
@@ -197,6 +197,19 @@ def _interp_case(name):
             flags["caches_as_reference"] = torch.equal(one, ref)
             checks["err_vs_ref"] = ((o.float() - r.float()).abs().max().item(), 1e-5 if dt == torch.float32 else 2e-2)
             flags["dtype"] = o.dtype == dt and o.shape == (B, H, D)
+            if D == 128:  # the output also quantized for an FP8 wo: quantize_act's bytes, no launch
+                from shoal.kernels import fp8
+
+                q8 = torch.empty(B, H * D, dtype=torch.float8_e4m3fn)
+                s8 = torch.empty(B, H, dtype=torch.float32)
+                again = kv.clone()
+                o2 = fz.fast_rope_attention_triton(qkv, table, again[0], again[1], length, H, H_kv, D,
+                                                   quant_out=(q8, s8))
+                rq, rs = fp8.quantize_act_triton(o.reshape(B, H * D))
+                flags["quant_out_same_output"] = torch.equal(o2, o) and torch.equal(again, one)
+                flags["quant_out_bytes"] = torch.equal(q8.view(torch.uint8), rq.view(torch.uint8))
+                flags["quant_out_scales"] = torch.equal(s8, rs)
+                flags["quant_out_not_trivial"] = bool(rs.min() > 0) and bool((rq.view(torch.uint8) != 0).any())
         else:
             raise KeyError(kind)
         return {"checks": checks, "flags": flags}

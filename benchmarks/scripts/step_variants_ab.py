@@ -4,7 +4,7 @@ weights, 64 sequences at a 700-token context), interleaved rounds in one process
     [AB_DENSE_TABLE=DIR] python benchmarks/scripts/step_variants_ab.py [bf16|fp8] [ROUNDS] [VARIANT ...]
 
 A variant is a set of environment variables read when kernels are configured (``SHOAL_PDL``,
-``SHOAL_FP8_PARTIALS``, ``SHOAL_ATTN_FP8_CONFIG``, ``SHOAL_DENSE_TUNED``; add others to ``VARIANTS``). For each one the step is re-captured for
+``SHOAL_FP8_PARTIALS``, ``SHOAL_FP8_ATTN_QUANT``, ``SHOAL_ATTN_FP8_CONFIG``, ``SHOAL_DENSE_TUNED``; add others to ``VARIANTS``). For each one the step is re-captured for
 batches 1 and 64 and timed by ``shoal.bench.tune_step.StepTimer`` (from the same saved slot
 state every time; the pages the timed steps write are allocated first), so each variant does the
 same work. The last step of a measurement must give the same codes in every variant of
@@ -36,12 +36,14 @@ VARIANTS = {
     "nopdl": {"SHOAL_PDL": "0"},
     # FP8: the split-K GEMMs reduce their own partials (the consumers read bf16)
     "fp8_reduced": {"SHOAL_FP8_PARTIALS": "0"},
+    # FP8: the fast positions' attention kernel writes wo's quantized input (no quantize launch)
+    "fp8_attn_quant": {"SHOAL_FP8_ATTN_QUANT": "1"},
     # FP8 KV cache: twice the heuristic's context splits in the decode attention
     "fp8kv_split2": {"SHOAL_ATTN_FP8_CONFIG": "split_mult=2"},
     # another bf16 GEMM table (a directory holding dense_tuned.json), e.g. a tuner's output
     "table": {"SHOAL_DENSE_TUNED": os.environ.get("AB_DENSE_TABLE", "")},
 }
-SAME_BITS = {"base", "nopdl", "fp8_reduced"}  # (split counts change the attention's last bits)
+SAME_BITS = {"base", "nopdl", "fp8_reduced", "fp8_attn_quant"}  # (split counts change the attention's last bits)
 KEYS = sorted({k for v in VARIANTS.values() for k in v})
 
 
@@ -51,6 +53,7 @@ def apply(env: dict) -> None:
     os.environ.update(env)
     pa.pdl_enabled.cache_clear()
     fp8_fused.consumer_partials.cache_clear()
+    fp8_fused.attn_quant.cache_clear()
     dense.set_dense_table(None)  # re-reads $SHOAL_DENSE_TUNED; clears the config caches
 
 

@@ -310,15 +310,22 @@ class FastCacheBackend:
         return out[:, None]
 
     def rope_attend(self, layer: int, qkv: Tensor, rope: Tensor, n_head: int, n_kv_head: int,
-                    head_dim: int) -> Tensor:
+                    head_dim: int, *, quant: bool = False) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
         """RoPE of this position's q and k (no qk-norm), its K/V written, and the attention, as one
         kernel (``SHOAL_FAST_ROPE_ATTN``; the bits of ``fused_target`` + ``qk_norm_rope_write`` +
-        :meth:`attend_only`). ``qkv`` [B, (H + 2 H_kv) D]; returns [B, 1, H, D]."""
+        :meth:`attend_only`). ``qkv`` [B, (H + 2 H_kv) D]; returns [B, 1, H, D]. ``quant``
+        (head_dim 128): also returns the output's 1x128 FP8 quantization ``(q [B, H*D], s [B, H])``,
+        the input of an FP8 ``wo``."""
         from ..kernels.fused import fast_rope_attention
 
+        B = qkv.shape[0]
+        q8 = s8 = None
+        if quant:
+            q8 = torch.empty(B, n_head * head_dim, dtype=torch.float8_e4m3fn, device=qkv.device)
+            s8 = torch.empty(B, n_head, dtype=torch.float32, device=qkv.device)
         out = fast_rope_attention(qkv, rope, self.k[layer], self.v[layer], self.position + 1,
-                                  n_head, n_kv_head, head_dim)
-        return out[:, None]
+                                  n_head, n_kv_head, head_dim, quant_out=(q8, s8) if quant else None)
+        return (out[:, None], (q8, s8)) if quant else out[:, None]
 
     def write_kv(self, layer: int, k: Tensor, v: Tensor) -> None:
         B, p = k.shape[0], self.position

@@ -44,9 +44,10 @@ from ..envutil import env_flag
 from .fp8 import GemmOut, fp8_gemm_triton, fp8_linear_triton, silu_mul_quant
 from .fused import add_rmsnorm_quant
 
-__all__ = ["Act", "PARTIALS_ENV", "active", "consumer_partials", "mlp", "norm_quant", "project", "stack_supported"]
+__all__ = ["ATTN_QUANT_ENV", "Act", "PARTIALS_ENV", "active", "attn_quant", "consumer_partials", "mlp", "norm_quant", "project", "stack_supported"]
 
 PARTIALS_ENV = "SHOAL_FP8_PARTIALS"
+ATTN_QUANT_ENV = "SHOAL_FP8_ATTN_QUANT"
 
 
 @functools.cache
@@ -55,6 +56,14 @@ def consumer_partials() -> bool:
     reads its output (``SHOAL_FP8_PARTIALS``, default on; ``0``: the GEMM reduces them, see
     the module docstring)."""
     return env_flag(PARTIALS_ENV) is not False
+
+@functools.cache
+def attn_quant() -> bool:
+    """Whether the fast positions' RoPE + attention kernel also writes the FP8 quantization of
+    its output for ``wo`` (``SHOAL_FP8_ATTN_QUANT=1``; opt-in until measured on a GPU): the bytes
+    ``quantize_act`` would write, without its launch (head_dim 128: one 1x128 group per head)."""
+    return env_flag(ATTN_QUANT_ENV) is True
+
 
 Act = tuple[Tensor, Tensor]
 """A 1x128-quantized activation: ``(q [M, K] float8_e4m3fn, s [M, ceil(K/128)] fp32)``."""

@@ -548,12 +548,14 @@ if HAS_TRITON:
                  o.to(o_ptr.dtype.element_ty), mask=gm[:, None])
 
     def _fast_rope_attn_kernel(
-        qkv_ptr, cs_ptr, k_ptr, v_ptr, o_ptr, scale,
+        qkv_ptr, cs_ptr, k_ptr, v_ptr, o_ptr, q8_ptr, s8_ptr, scale,
         stride_qkv, stride_cs_p, stride_cs_i, stride_cs_c,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_oh,
+        stride_q8,
         N_HEAD: tl.constexpr, N_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, LENGTH: tl.constexpr, LEN_PAD: tl.constexpr, DT: tl.constexpr,
         PDL: tl.constexpr = False,
+        QUANT: tl.constexpr = False,
     ):
         """One fast-transformer position in one launch: RoPE of q and k at position
         LENGTH - 1 from the wqkv row, K and V stored into the row's cache there, then
@@ -591,6 +593,11 @@ if HAS_TRITON:
         o = _fast_attend(q, k, v, nm, scale, DT)
         tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=gm[:, None])
+        if QUANT:  # HEAD_DIM == 128: each head's output row is one 1x128 group of wo's input;
+            # quantized from the value just stored (rounded to DT), as quantize_act would read it
+            oq, osc = _quant_tile(_round(o, DT))
+            tl.store(q8_ptr + b * stride_q8 + heads[:, None] * HEAD_DIM + d[None, :], oq, mask=gm[:, None])
+            tl.store(s8_ptr + b * N_HEAD + heads, osc, mask=gm)
 
     # Triton fixes interpreted vs compiled mode when triton.language is imported; wrap
     # the kernels (and the device helper they call by its global name) to match.
@@ -1084,12 +1091,25 @@ def fast_rope_attention_ref(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cac
     return fast_decode_attention_ref(q, k_cache, v_cache, length, scale)
 
 
+def _check_quant_out(quant_out, B: int, H: int, D: int) -> tuple[Tensor, Tensor]:
+    if D != 128:
+        raise ValueError(f"quant_out needs head_dim 128 (one 1x128 group per head), got {D}")
+    q8, s8 = quant_out
+    if (q8.shape != (B, H * D) or q8.dtype != torch.float8_e4m3fn or q8.stride(-1) != 1
+            or s8.shape != (B, H) or s8.dtype != torch.float32 or not s8.is_contiguous()):
+        raise ValueError(f"quant_out must be (float8_e4m3fn [{B}, {H * D}], contiguous float32 [{B}, {H}])")
+    return q8, s8
+
+
 def fast_rope_attention_triton(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
                                n_head: int, n_kv_head: int, head_dim: int, scale: float | None = None, *,
-                               out: Tensor | None = None) -> Tensor:
+                               out: Tensor | None = None,
+                               quant_out: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Kernel version of :func:`fast_rope_attention_ref`: one launch where
     :func:`qk_norm_rope_write` then :func:`fast_decode_attention` take two, with the same
-    bits (the K/V written and the output)."""
+    bits (the K/V written and the output). ``quant_out`` (head_dim 128): ``(q [B, H*D] e4m3,
+    s [B, H] fp32)`` also receive the 1x128 quantization of the output rows, byte-equal to
+    ``quantize_act`` of the returned output (the input of an FP8 ``wo``) without its launch."""
     _require_kernel(qkv)
     _check_dtype("qkv", qkv)
     D, H, H_kv = head_dim, n_head, n_kv_head
@@ -1109,25 +1129,39 @@ def fast_rope_attention_triton(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_
     if cos_sin.dim() != 3 or cos_sin.shape[1:] != (D // 2, 2) or cos_sin.shape[0] < length:
         raise ValueError(f"cos_sin must be [>= {length}, {D // 2}, 2], got {tuple(cos_sin.shape)}")
     out = _fast_out(out, B, H, D, qkv)
+    q8, s8 = _check_quant_out(quant_out, B, H, D) if quant_out is not None else (out, out)
     if B == 0:
         return out
     _kernel("_fast_rope_attn_kernel")[(B, H_kv)](
-        qkv, cos_sin, k_cache, v_cache, out, float(D ** -0.5 if scale is None else scale),
+        qkv, cos_sin, k_cache, v_cache, out, q8, s8, float(D ** -0.5 if scale is None else scale),
         qkv.stride(0), cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+        q8.stride(0) if quant_out is not None else 0,
         N_HEAD=H, N_KV=H_kv, **_fast_meta(H, H_kv, D, length, qkv.dtype), **_launch_opts(4, qkv),
+        QUANT=quant_out is not None,
     )
     return out
 
 
 def fast_rope_attention(qkv: Tensor, cos_sin: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,
-                        n_head: int, n_kv_head: int, head_dim: int, scale: float | None = None) -> Tensor:
+                        n_head: int, n_kv_head: int, head_dim: int, scale: float | None = None, *,
+                        quant_out: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """RoPE + K/V write + attention of one fast position (see :func:`fast_rope_attention_ref`):
-    the kernel where Triton runs, else the reference."""
+    the kernel where Triton runs, else the reference. ``quant_out``: as in
+    :func:`fast_rope_attention_triton` (the reference path quantizes with ``quantize_act_ref``)."""
     if use_triton(qkv):
-        return fast_rope_attention_triton(qkv, cos_sin, k_cache, v_cache, length, n_head, n_kv_head, head_dim, scale)
-    return fast_rope_attention_ref(qkv, cos_sin, k_cache, v_cache, length, n_head, n_kv_head, head_dim, scale)
+        return fast_rope_attention_triton(qkv, cos_sin, k_cache, v_cache, length, n_head, n_kv_head, head_dim,
+                                          scale, quant_out=quant_out)
+    out = fast_rope_attention_ref(qkv, cos_sin, k_cache, v_cache, length, n_head, n_kv_head, head_dim, scale)
+    if quant_out is not None:
+        from .fp8 import quantize_act_ref
+
+        q8, s8 = _check_quant_out(quant_out, out.shape[0], n_head, head_dim)
+        rq, rs = quantize_act_ref(out.reshape(out.shape[0], -1))
+        q8.copy_(rq)
+        s8.copy_(rs)
+    return out
 
 
 def fast_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: int,

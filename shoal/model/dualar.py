@@ -210,10 +210,14 @@ class DualAR(nn.Module):
             att = layer.attention
             sh = att.shape
             qkv = fp8_fused.project(att.wqkv, act) if fp8 else _linear(att.wqkv, normed)
+            y_act = None  # wo's FP8 input, when the attention kernel wrote it
             if (rope_attend is not None and not sh.qk_norm and isinstance(qkv, Tensor)
                     and not (kv_only_last and i + 1 == len(layers))):
                 # RoPE, the K/V write and the attention as one kernel (fast positions)
-                y = rope_attend(i, qkv, rope, sh.n_head, sh.n_local_heads, sh.head_dim)
+                if fp8 and sh.head_dim == 128 and fp8_fused.attn_quant():
+                    y, y_act = rope_attend(i, qkv, rope, sh.n_head, sh.n_local_heads, sh.head_dim, quant=True)
+                else:
+                    y = rope_attend(i, qkv, rope, sh.n_head, sh.n_local_heads, sh.head_dim)
             else:
                 k_cache, v_cache, slots = backend.fused_target(i)
                 k_scale, v_scale = backend.kv_scales(i) if hasattr(backend, "kv_scales") else (None, None)
@@ -227,7 +231,7 @@ class DualAR(nn.Module):
                 y = backend.attend_only(i, q.view(B, S, sh.n_head, sh.head_dim))
             ff = layer.feed_forward
             if fp8:
-                a = fp8_fused.project(att.wo, y.reshape(N, sh.q_size))
+                a = fp8_fused.project(att.wo, y_act if y_act is not None else y.reshape(N, sh.q_size))
                 h, act = fp8_fused.norm_quant(a, h, layer.ffn_norm.weight, eps)
                 f = fp8_fused.mlp(ff, act, partials=i + 1 < len(layers))  # last layer: bf16 for h + f
             else:
