@@ -29,7 +29,10 @@
 # were rejected, see docs/benchmarks.md): on an H200 PARTS="engine audio mem" (the #3 / #6
 # targets with the codec's current defaults and FP8 prefill through cuBLAS's block-scaled GEMM,
 # first audio at c=64, the codec's memory there); with FP8, also the same engine run with
-# SHOAL_FP8_CUBLAS_MIN_M=0 beside it (the Triton prefill GEMMs; +2.2% at c=64 on an H100).
+# SHOAL_FP8_CUBLAS_MIN_M=0 beside it (the Triton prefill GEMMs; +2.2% at c=64 on an H100). On
+# any GPU: python -m pytest -q tests/test_fp8_fusion.py -k gpu (includes the opt-in
+# SHOAL_FP8_ATTN_QUANT's bit test), then python benchmarks/scripts/step_variants_ab.py fp8 3 base
+# fp8_attn_quant.
 # AB_ROUNDS (default 2) sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem} "
