@@ -120,7 +120,8 @@ for _dt in ("fp32", "bf16"):
         INTERP_CASES[f"silu_mul_{_dt}_i{_inter}_b{_block}"] = ("silu_mul", _dt, _inter, _block)
     for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (4, 4, 128, 7), (6, 2, 64, 3)):
         INTERP_CASES[f"fast_attn_{_dt}_h{_h}_kv{_hkv}_d{_d}_len{_len}"] = ("fast_attn", _dt, _h, _hkv, _d, _len)
-    for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (6, 2, 64, 3), (8, 2, 128, 4)):
+    for (_h, _hkv, _d, _len) in ((4, 2, 32, 1), (4, 2, 64, 5), (8, 2, 32, 10), (6, 2, 64, 3), (8, 2, 128, 4),
+                                 (6, 2, 128, 3)):  # a group of 3 heads, padded to 4 lanes
         INTERP_CASES[f"fast_rope_attn_{_dt}_h{_h}_kv{_hkv}_d{_d}_len{_len}"] = ("fast_rope_attn", _dt, _h, _hkv, _d, _len)
 EXTRA_CASES = [
     "add_rmsnorm_bf16_fp32_weight",
@@ -453,6 +454,28 @@ def test_cpu_fallback_is_reference():
     qa = rand((2, 4, 32), torch.float32, g)
     kc, vc = rand((3, 10, 2, 32), torch.float32, g), rand((3, 10, 2, 32), torch.float32, g)
     assert torch.equal(fz.fast_decode_attention(qa, kc, vc, 4), fz.fast_decode_attention_ref(qa, kc, vc, 4))
+
+
+def test_cpu_fast_rope_attention_quant_out_is_quantize_act():
+    """The reference path fills ``quant_out`` with quantize_act of its output; head_dim 64
+    (two heads per 1x128 group) is refused."""
+    from shoal.kernels import fp8
+
+    if fz.triton_interpreting():
+        pytest.skip("triton imported in interpreter mode in this process")
+    g = torch.Generator().manual_seed(1)
+    B, H, H_kv, D, C = 2, 6, 2, 128, 8  # a group of 3 query heads per KV head
+    qkv = rand((B, (H + 2 * H_kv) * D), torch.bfloat16, g, 2.0)
+    table = rand((C, D // 2, 2), torch.bfloat16, g)
+    kv = rand((2, B, C, H_kv, D), torch.bfloat16, g)
+    q8 = torch.zeros(B, H * D, dtype=torch.float8_e4m3fn)
+    s8 = torch.zeros(B, H)
+    o = fz.fast_rope_attention(qkv, table, kv[0], kv[1], 5, H, H_kv, D, quant_out=(q8, s8))
+    rq, rs = fp8.quantize_act_ref(o.reshape(B, H * D))
+    assert torch.equal(q8.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s8, rs)
+    with pytest.raises(ValueError, match="head_dim 128"):
+        fz.fast_rope_attention(qkv[:, : (H + 2 * H_kv) * 64], table[:, :32], kv[0][..., :64], kv[1][..., :64],
+                               5, H, H_kv, 64, quant_out=(q8, s8))
 
 
 def test_input_validation():
