@@ -23,19 +23,20 @@
 #   8. (mem) the codec decode path's resident memory at 64 slots in a fresh process, with the
 #      segments a second build opens listed by owner (benchmarks/scripts/codec_memory_probe.py;
 #      0.972 GiB on an H100 at 33be044).
-# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem; e.g.
+#   9. (fp8) the FP8 GPU tests, SHOAL_FP8_ATTN_QUANT's step A/B, and the FP8 engine at c=64 with
+#      the prefill GEMMs on Triton beside the default cuBLAS block-scaled path.
+# PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem fp8; e.g.
 # back-to-back calls on one warm machine (it goes back after 30 s idle). What is still waiting
 # (2026-12-07, thirteenth session: no H200 came; the twelfth session's A/Bs ran on an H100 and
 # were rejected, see docs/benchmarks.md): on an H200 PARTS="engine audio mem" (the #3 / #6
 # targets with the codec's current defaults and FP8 prefill through cuBLAS's block-scaled GEMM,
 # first audio at c=64, the codec's memory there); with FP8, also the same engine run with
 # SHOAL_FP8_CUBLAS_MIN_M=0 beside it (the Triton prefill GEMMs; +2.2% at c=64 on an H100). On
-# any GPU: python -m pytest -q tests/test_fp8_fusion.py -k gpu (includes the opt-in
-# SHOAL_FP8_ATTN_QUANT's bit test), then python benchmarks/scripts/step_variants_ab.py fp8 3 base
-# fp8_attn_quant.
+# any GPU: PARTS=fp8 (the FP8 GPU tests, including the opt-in SHOAL_FP8_ATTN_QUANT's bit test,
+# and its step A/B).
 # AB_ROUNDS (default 2) sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
-PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem} "
+PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem fp8} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1
@@ -85,3 +86,16 @@ elif part ncu; then
 fi
 part mem && timeout 120 python benchmarks/scripts/codec_memory_probe.py default 64 --segments 2>&1 | grep -v Warn | tail -14
 echo "[t=$SECONDS]"
+if part fp8; then  # the FP8 GPU tests (cuBLAS prefill, SHOAL_FP8_ATTN_QUANT's bits), its step A/B,
+    # and the engine at c=64 with the prefill GEMMs on Triton (SHOAL_FP8_CUBLAS_MIN_M=0) beside
+    # the default (cuBLAS), as recorded on 2026-12-07
+    timeout 150 python -m pytest -q tests/test_fp8_cublas.py tests/test_fp8_fusion.py -k gpu 2>&1 | tail -3
+    OUT=$OUT/r timeout 200 python benchmarks/scripts/step_variants_ab.py fp8 3 base fp8_attn_quant 2>&1 | grep -v Warn | tail -6
+    keep
+    for v in triton cublas; do
+        e=X=1; [[ $v == triton ]] && e=SHOAL_FP8_CUBLAS_MIN_M=0
+        env $e timeout 120 python -m shoal.cli bench engine --concurrency 64 --frames 400 --requests-per-client 2 \
+            --quantization fp8 --kv-cache-dtype fp8 --out "/tmp/r/eng-fp8-c64-$v" 2>&1 | grep -E "c=|Error|error" | tail -2
+        keep
+    done
+fi
