@@ -10,41 +10,19 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from shoal.bench.kernels_fp8 import time_graph
 from shoal.kernels import fused
 from shoal.model.layers import rope_table
 
 
 def timed(fn, reps: int = 20, launches: int = 20) -> float:
-    """Median microseconds per launch: ``launches`` back-to-back calls captured in one CUDA graph
-    (so host launch time is not measured), replayed ``reps`` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(ts)
+    """Median microseconds per launch of ``launches`` back-to-back calls in one CUDA graph."""
+    return time_graph([fn] * launches, reps)
 
 
 def main(argv):

@@ -4,10 +4,7 @@ the S2-Pro projections and prefill-sized M (a prefill chunk is up to 1,024 token
 
     python benchmarks/scripts/scaled_mm_block_probe.py [M,M,...]
 
-The layouts cuBLAS takes, per torch's checks: ``scale_a`` [M, K/128] with strides (1, M) (our
-activation scales transposed in memory), ``scale_b`` [K/128, N/128] with strides (1, K/128) (our
-row-major [N/128, K/128] weight scales, viewed transposed: no copy), ``mat_b`` the [K, N]
-column-major view of the [N, K] weight. Each cell checks the result against
+The layouts cuBLAS takes are ``shoal.kernels.fp8_cublas``'s (see its docstring). Each cell checks the result against
 ``fp8.fp8_gemm_ref`` and times CUDA-graph replays (medians; weight copies rotated). Writes JSON
 to $OUT (or ./out).
 """
@@ -23,19 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from shoal.bench.kernels_fp8 import time_graph
-from shoal.kernels import fp8
+from shoal.kernels import fp8, fp8_cublas
 
 SHAPES = {"wqkv": (6144, 2560), "wo": (2560, 4096), "gate_up": (19456, 2560), "down": (2560, 9728)}
-
-
-def block_scaled_mm(xq, xs_t, Wq, Ws, out=None):
-    """y = dequant(xq, xs) @ dequant(Wq, Ws)^T through cuBLAS; ``xs_t`` is the [M, KB] activation
-    scale tensor with strides (1, M)."""
-    return torch._scaled_mm(xq, Wq.t(), scale_a=xs_t, scale_b=Ws.t(), out_dtype=torch.bfloat16)
-
-
-def col_major(s):
-    return s.t().contiguous().t()
 
 
 def main(argv):
@@ -56,23 +43,26 @@ def main(argv):
             ref = fp8.fp8_gemm_ref(xq, xs, Wq, Ws).float()
             cell = {"shape": name, "N": N, "K": K, "M": M}
             scale = ref.abs().max().item()
-            ours = fp8.fp8_gemm(xq, xs, Wq, Ws).float()
+            # "ours": the Triton kernel with the launch config the dispatcher picks for this M,
+            # passed explicitly (without it, M >= 256 would go to cuBLAS)
+            cfg = fp8._gemm_config(M, N, K, fp8._device_sms(xq))
+            ours = fp8.fp8_gemm_triton(xq, xs, Wq, Ws, config=cfg).float()
             cell["ours_rel"] = (ours - ref).abs().max().item() / scale
             t = {}
             try:
-                y = block_scaled_mm(xq, col_major(xs), Wq, Ws).float()
+                y = fp8_cublas.gemm(xq, xs, Wq, Ws).float()
                 cell["cublas_rel"] = (y - ref).abs().max().item() / scale
-                xs_t = col_major(xs)
+                xs_col = xs.t().contiguous().t()  # the GEMM alone: scales already in cuBLAS's layout
                 t["cublas_block"] = time_graph(
-                    [lambda c=c: block_scaled_mm(xq, xs_t, c[0], c[1]) for c in copies], 20)
+                    [lambda c=c: fp8_cublas.gemm_col_scales(xq, xs_col, c[0], c[1]) for c in copies], 20)
                 # what an FP8 Linear costs this way: quantize, transpose the scales, GEMM
                 t["cublas_block_linear"] = time_graph(
-                    [lambda c=c: (lambda q: block_scaled_mm(q[0], col_major(q[1]), c[0], c[1]))(fp8.quantize_act(x))
-                     for c in copies], 20)
+                    [lambda c=c: fp8_cublas.gemm(*fp8.quantize_act(x), c[0], c[1]) for c in copies], 20)
             except Exception as e:  # noqa: BLE001
                 cell["cublas_error"] = f"{type(e).__name__}: {e}"[:400]
-            t["ours"] = time_graph([lambda c=c: fp8.fp8_gemm(xq, xs, c[0], c[1]) for c in copies], 20)
-            t["ours_linear"] = time_graph([lambda c=c: fp8.fp8_linear(x, c[0], c[1]) for c in copies], 20)
+            t["ours"] = time_graph([lambda c=c: fp8.fp8_gemm_triton(xq, xs, c[0], c[1], config=cfg) for c in copies], 20)
+            t["ours_linear"] = time_graph(
+                [lambda c=c: fp8.fp8_linear_triton(x, c[0], c[1], config=cfg) for c in copies], 20)
             t["bf16"] = time_graph([lambda c=c: F.linear(x, c[2]) for c in copies], 20)
             cell["us"] = t
             cell["tflops"] = {k: 2 * M * N * K / (v * 1e-6) / 1e12 for k, v in t.items()}

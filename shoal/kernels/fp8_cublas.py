@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..envutil import env_int
 
-__all__ = ["MIN_M_ENV", "gemm", "min_m", "prepare", "routes", "usable"]
+__all__ = ["MIN_M_ENV", "gemm", "gemm_col_scales", "min_m", "prepare", "routes", "usable"]
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,15 @@ def _index(device: torch.device) -> int:
 def gemm(x_q: Tensor, x_s: Tensor, W_q: Tensor, W_s: Tensor, out: Tensor | None = None) -> Tensor:
     """``dequant(x_q, x_s) @ dequant(W_q, W_s)^T`` in bf16 through ``torch._scaled_mm``
     (layouts as in the module docstring; the caller checked :func:`usable`)."""
-    sa = x_s.t().contiguous().t()
-    sb = W_s.t()
+    return gemm_col_scales(x_q, x_s.t().contiguous().t(), W_q, W_s, out)
+
+
+def gemm_col_scales(x_q: Tensor, x_s_col: Tensor, W_q: Tensor, W_s: Tensor, out: Tensor | None = None) -> Tensor:
+    """:func:`gemm` with the activation scales already outer-dim-major (``[M, K/128]``, strides
+    ``(1, M)``)."""
     if out is not None and out.is_contiguous():
-        return torch._scaled_mm(x_q, W_q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, out=out)
-    y = torch._scaled_mm(x_q, W_q.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(x_q, W_q.t(), scale_a=x_s_col, scale_b=W_s.t(), out_dtype=torch.bfloat16, out=out)
+    y = torch._scaled_mm(x_q, W_q.t(), scale_a=x_s_col, scale_b=W_s.t(), out_dtype=torch.bfloat16)
     if out is None:
         return y
     out.copy_(y)
