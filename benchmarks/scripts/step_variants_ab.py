@@ -40,11 +40,9 @@ VARIANTS = {
     "fp8_attn_quant": {"SHOAL_FP8_ATTN_QUANT": "1"},
     # FP8 KV cache: twice the heuristic's context splits in the decode attention
     "fp8kv_split2": {"SHOAL_ATTN_FP8_CONFIG": "split_mult=2"},
-    # FP8 KV cache: fp16 operands instead of the e4m3 hi / lo terms, fewer cross-warp reductions
-    # a tile, two pages an iteration (benchmarks/scripts/attention_fp8_variants_probe.py)
-    "kv_f16jl": {"SHOAL_ATTN_FP8_CONFIG": "f16ops=1,joint_max=1,lazy_l=1"},
-    "kv_f16pair": {"SHOAL_ATTN_FP8_CONFIG": "f16ops=1,pair=1"},
-    "kv_f16": {"SHOAL_ATTN_FP8_CONFIG": "f16ops=1"},
+    # FP8 KV cache: the attention's e4m3 hi / lo operands and per-tile reductions (the default
+    # before 2026-12-07; benchmarks/scripts/attention_fp8_variants_probe.py)
+    "kv_e4m3": {"SHOAL_ATTN_FP8_CONFIG": "f16ops=0,joint_max=0,lazy_l=0"},
     # another bf16 GEMM table (a directory holding dense_tuned.json), e.g. a tuner's output
     "table": {"SHOAL_DENSE_TUNED": os.environ.get("AB_DENSE_TABLE", "")},
 }

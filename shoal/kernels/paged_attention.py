@@ -604,8 +604,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 # the widening kernel's own best, and the standard value layout). ``tma``: with "mma8" on pages of
 # 32-128 tokens, one page per tile read as two tensor-descriptor boxes (``block_n`` becomes the
 # page size; H200, 64-token pages: 0.72-0.87x the pointer gather's time, docs/benchmarks.md).
+# ``f16ops``: the "mma8" kernel's products take fp16 operands (the e4m3 tiles widened, the query
+# and the weighted probabilities rounded once to fp16) instead of two e4m3 terms each;
+# ``joint_max``: the tile's score and value-scale maxima in one reduction; ``lazy_l``: the softmax
+# denominators kept per token row and summed once after the loop. All three on (H100, 2026-12-07,
+# fourteenth session): 1.02x at 64 x 700 tokens, 1.24x at 16 x 700, 1.12-1.25x at one sequence,
+# the decode step 0.3% / 0.6% faster at batch 1 / 64, and a smaller error (docs/benchmarks.md).
 FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "mma8", "split_mult": 1, "tma": 1,
-                 "f16ops": 0, "lazy_l": 0, "joint_max": 0, "pair": 0}
+                 "f16ops": 1, "lazy_l": 1, "joint_max": 1}
 
 
 def fp8_kv_config() -> dict:
@@ -820,7 +826,6 @@ def paged_decode_attention_triton(
             *p_strides, GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), TMA=descs is not None, H_KV=H_kv,
             F16_OPS=bool(fc["f16ops"]), LAZY_L=bool(fc["lazy_l"]), JOINT_MAX=bool(fc["joint_max"]),
-            PAIR=bool(fc["pair"]) and descs is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl)
     elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)

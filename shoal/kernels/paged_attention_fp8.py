@@ -1,9 +1,8 @@
-"""Paged decode attention on an FP8 KV cache with e4m3 tensor-core operands (sm_90 wgmma).
+"""Paged decode attention on an FP8 KV cache, tokens on the MMA's M axis (swap-AB).
 
-The kernel of :mod:`shoal.kernels.paged_attention` widens the e4m3 K / V tiles to fp16 for
-``mma.sync`` products with the query group padded to 16 rows; this one keeps every operand in
-e4m3 and puts the *tokens* on the MMA's M axis (swap-AB), so a 64-128-token tile feeds Hopper's
-asynchronous wgmma directly:
+The kernel of :mod:`shoal.kernels.paged_attention` puts the query group (padded to 16 rows)
+on the MMA's M axis; this one puts the *tokens* there, so a 64-128-token tile is one MMA
+operand read straight from the cache:
 
 * scores ``S^T [BLOCK_N, N] = K_tile [BLOCK_N, D] @ Q^T [D, N]``;
 * output ``O^T [D, N] += V_tile^T [D, BLOCK_N] @ P [BLOCK_N, N]``,
@@ -11,15 +10,21 @@ asynchronous wgmma directly:
 with N the GQA group's query heads padded to ``SLOTS`` (8 for S2-Pro's group of 4; see
 :func:`mma8_slots`).
 
-Precision: the query and the probabilities are not rounded to e4m3 (3 mantissa bits). Each is
-split into two e4m3 terms, ``x * s = hi + lo / 16`` with ``hi = e4m3(x * s)`` and
-``lo = e4m3((x * s - hi) * 16)``: about 8 significant bits, bf16's precision. Each product is
-two MMAs (on the hi and on the lo terms), summed in fp32. The query's scale is ``448 / amax``
-per head (its largest element maps to e4m3's largest normal), the probabilities' ``256`` (they
-lie in [0, 1] after the online-softmax shift and the value-scale normalisation below). In fp32
-emulation (``benchmarks/scripts/attention_fp8_numerics.py``, docs/benchmarks.md) the attention
-output's error against exact attention is the widening kernel's (both are set by the e4m3
-K / V); rounding the query and the probabilities to e4m3 once would raise it ~1.35x.
+Operands (``F16_OPS``, the default through ``FP8_KV_CONFIG["f16ops"]``): the e4m3 K / V tiles
+are widened to fp16 (exact), the query is rounded once to fp16 after a per-head scale of
+``448 / amax``, the probabilities once after the value-scale normalisation below (they lie in
+[0, 256]): 11 significant bits each, fp32 accumulation. What the MMAs run on depends on N:
+Triton 3.6 lowers N = 8 to ``mma.sync`` m16n8k16 in fp16 (the e4m3 tiles widened in
+registers; read off an sm_90a compile, 2026-12-07) and N >= 16 to Hopper's wgmma. Without
+``F16_OPS`` the kernel keeps e4m3 operands for wgmma (N >= 16): the query and the
+probabilities are each split into two e4m3 terms, ``x * s = hi + lo / 16`` with
+``hi = e4m3(x * s)`` and ``lo = e4m3((x * s - hi) * 16)`` (about 8 significant bits, bf16's
+precision), two MMAs per product summed in fp32 -- at N = 8 that path is still widened to fp16
+by the compiler, so its second MMA buys nothing, which is why fp16 operands are the default
+(H100, 2026-12-07: 1.02-1.25x faster and a 17% smaller error against the exact attention of the
+stored e4m3 K / V, docs/benchmarks.md). ``JOINT_MAX`` takes the tile's score and value-scale
+maxima in one cross-warp reduction; ``LAZY_L`` keeps the softmax denominators per token row
+(rescaled like the accumulator) and sums them over the rows once after the loop.
 
 Scales: the key scales multiply the score rows, the value scales the probability rows
 (normalised by the tile's largest value scale, which multiplies the tile's product), as in
@@ -144,33 +149,10 @@ if HAS_TRITON:
     def _max_pair_impl(a0, b0, a1, b1):
         return tl.maximum(a0, a1), tl.maximum(b0, b1)
 
-    def _max_four_impl(a0, b0, c0, d0, a1, b1, c1, d1):
-        return tl.maximum(a0, a1), tl.maximum(b0, b1), tl.maximum(c0, c1), tl.maximum(d0, d1)
-
     _split8 = _Wrap(_split8_impl)
     _mma8 = _Wrap(_mma8_impl)
     _max_pair = _Wrap(_max_pair_impl)
-    _max_four = _Wrap(_max_four_impl)
 
-    def _scores_impl(k8, q_hi_t, q_lo_t, F16_OPS: tl.constexpr, UPCAST_DOT: tl.constexpr):
-        """``K_tile @ Q^T`` [BLOCK_N, SLOTS]: one fp16 product, or the e4m3 hi and lo products."""
-        if F16_OPS:
-            s = _mma8(k8.to(tl.float16), q_hi_t, UPCAST_DOT)
-        else:
-            s = _mma8(k8, q_hi_t, UPCAST_DOT) + _mma8(k8, q_lo_t, UPCAST_DOT) * 0.0625
-        return s
-
-    def _pv_impl(v8t, pw, F16_OPS: tl.constexpr, UPCAST_DOT: tl.constexpr):
-        """``V_tile^T @ P`` [D, SLOTS] for weighted probabilities ``pw`` in [0, 256]."""
-        if F16_OPS:
-            pv = _mma8(v8t.to(tl.float16), pw.to(tl.float16), UPCAST_DOT)
-        else:
-            p_hi, p_lo = _split8(pw, UPCAST_DOT)
-            pv = _mma8(v8t, p_hi, UPCAST_DOT) + _mma8(v8t, p_lo, UPCAST_DOT) * 0.0625
-        return pv
-
-    _scores = _Wrap(_scores_impl)
-    _pv = _Wrap(_pv_impl)
 
     def _split_kernel_mma8(
         q_ptr,
@@ -218,7 +200,6 @@ if HAS_TRITON:
         F16_OPS: tl.constexpr = False,
         LAZY_L: tl.constexpr = False,
         JOINT_MAX: tl.constexpr = False,
-        PAIR: tl.constexpr = False,
     ):
         # TMA (``BLOCK_N == PAGE_SIZE``, token-minor V): ``k_ptr`` / ``v_ptr`` are tensor
         # descriptors of the layer's cache viewed 2-D -- keys ``[pages * PAGE_SIZE, H_kv * D]``
@@ -248,8 +229,6 @@ if HAS_TRITON:
         if F16_OPS:
             # one fp16 operand (11 significant bits) instead of the two e4m3 terms
             q16_t = tl.trans((q * (448.0 / q_amax)[:, None]).to(tl.float16))  # [D, SLOTS]
-            q_hi_t = q16_t  # the helpers take two query operands; fp16 uses the first only
-            q_lo_t = q16_t
         else:
             q_hi, q_lo = _split8(q * (448.0 / q_amax)[:, None], UPCAST_DOT)
             q_hi_t = tl.trans(q_hi)  # [D, SLOTS]
@@ -259,7 +238,7 @@ if HAS_TRITON:
 
         m_i = tl.full([SLOTS], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([SLOTS], dtype=tl.float32)
-        if LAZY_L or PAIR:  # the softmax denominators kept per token row, summed over the rows once at the end
+        if LAZY_L:  # the softmax denominators kept per token row, summed over the rows once at the end
             l_rows = tl.zeros([BLOCK_N, SLOTS], dtype=tl.float32)
         acc = tl.zeros([HEAD_DIM, SLOTS], dtype=tl.float32)  # O^T
 
@@ -269,110 +248,72 @@ if HAS_TRITON:
             v_head = v_ptr + kvh * stride_vh
         ks_head = ks_ptr + kvh * stride_sh
         vs_head = vs_ptr + kvh * stride_sh
-        if PAIR:
-            # two pages per iteration (TMA only): their scores' and value scales' maxima in one
-            # reduction, one rescale of the accumulator per 2 * PAGE_SIZE tokens
-            for tile in range(tile_lo, tile_hi, 2):
-                has_b = tile + 1 < tile_hi
-                pg_a = tl.load(bt_row + tile)
-                pg_b = tl.load(bt_row + tile + 1, mask=has_b, other=0)  # page 0 past the split: finite, masked
-                k_a = k_ptr.load([pg_a * PAGE_SIZE, kvh * HEAD_DIM])
-                k_b = k_ptr.load([pg_b * PAGE_SIZE, kvh * HEAD_DIM])
-                v_a = v_ptr.load([(pg_a * H_KV + kvh) * HEAD_DIM, 0])
-                v_b = v_ptr.load([(pg_b * H_KV + kvh) * HEAD_DIM, 0])
-                tok_a = tile * BLOCK_N + offs_n
-                mask_a = tok_a < ctx
-                mask_b = ((tok_a + BLOCK_N) < ctx) & has_b
-                off_a = pg_a.to(tl.int64) * stride_sb + offs_n * stride_st
-                off_b = pg_b.to(tl.int64) * stride_sb + offs_n * stride_st
-                ks_a = tl.load(ks_head + off_a, mask=mask_a, other=0.0)
-                ks_b = tl.load(ks_head + off_b, mask=mask_b, other=0.0)
-                vs_a = tl.load(vs_head + off_a, mask=mask_a, other=0.0)
-                vs_b = tl.load(vs_head + off_b, mask=mask_b, other=0.0)
-                s_a = _scores(k_a, q_hi_t, q_lo_t, F16_OPS, UPCAST_DOT) * ks_a[:, None] * q_scale[None, :]
-                s_b = _scores(k_b, q_hi_t, q_lo_t, F16_OPS, UPCAST_DOT) * ks_b[:, None] * q_scale[None, :]
-                s_a = tl.where(mask_a[:, None], s_a, float("-inf"))
-                s_b = tl.where(mask_b[:, None], s_b, float("-inf"))
-                t_a, t_b, w_a, w_b = tl.reduce((s_a, s_b, tl.broadcast_to(vs_a[:, None], [BLOCK_N, SLOTS]),
-                                                tl.broadcast_to(vs_b[:, None], [BLOCK_N, SLOTS])), 0, _max_four)
-                m_new = tl.maximum(m_i, tl.maximum(t_a, t_b))
-                vs_max = tl.maximum(tl.maximum(w_a, w_b), 1e-30)  # [SLOTS]
-                alpha = tl.exp2(m_i - m_new)
-                p_a = tl.exp2(s_a - m_new[None, :])
-                p_b = tl.exp2(s_b - m_new[None, :])
-                l_rows = l_rows * alpha[None, :] + p_a + p_b
-                norm = (256.0 / vs_max)[None, :]
-                pv = (_pv(v_a, p_a * vs_a[:, None] * norm, F16_OPS, UPCAST_DOT)
-                      + _pv(v_b, p_b * vs_b[:, None] * norm, F16_OPS, UPCAST_DOT))
-                acc = acc * alpha[None, :] + pv * (vs_max / 256.0)[None, :]
-                m_i = m_new
-        if not PAIR:
-            for tile in range(tile_lo, tile_hi):
-                tok = tile * BLOCK_N + offs_n
-                tok_mask = tok < ctx
-                if TMA:
-                    # one page per tile, whole boxes: the slots past the context hold finite e4m3
-                    # (zeros or an earlier token's values) and are masked below
-                    tpage = tl.load(bt_row + tile)
-                    k8 = k_ptr.load([tpage * PAGE_SIZE, kvh * HEAD_DIM])  # [BLOCK_N, D]
-                    v8t = v_ptr.load([(tpage * H_KV + kvh) * HEAD_DIM, 0])  # [D, BLOCK_N]
-                    s_off = tpage.to(tl.int64) * stride_sb + offs_n * stride_st
+        for tile in range(tile_lo, tile_hi):
+            tok = tile * BLOCK_N + offs_n
+            tok_mask = tok < ctx
+            if TMA:
+                # one page per tile, whole boxes: the slots past the context hold finite e4m3
+                # (zeros or an earlier token's values) and are masked below
+                tpage = tl.load(bt_row + tile)
+                k8 = k_ptr.load([tpage * PAGE_SIZE, kvh * HEAD_DIM])  # [BLOCK_N, D]
+                v8t = v_ptr.load([(tpage * H_KV + kvh) * HEAD_DIM, 0])  # [D, BLOCK_N]
+                s_off = tpage.to(tl.int64) * stride_sb + offs_n * stride_st
+            else:
+                page_mask = (tok // PAGE_SIZE) * PAGE_SIZE < ctx  # the token's page is the sequence's
+                page = tl.load(bt_row + tok // PAGE_SIZE, mask=page_mask, other=0).to(tl.int64)
+                pslot = tok % PAGE_SIZE
+                k8 = tl.load(k_head + page[:, None] * stride_kb + pslot[:, None] * stride_kt + offs_d[None, :],
+                             mask=tok_mask[:, None], other=0.0)
+                if V_TOKEN_MINOR:
+                    v_ptrs = v_head + page[None, :] * stride_vb + pslot[None, :] + offs_d[:, None] * stride_vd
+                    if PAGE_SIZE % 16 == 0:
+                        # runs of 16 tokens share a page: 16 contiguous, 16-byte aligned bytes
+                        v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [1, 16]), [1, 16])
+                    # masked by whole pages, so the mask is constant over each 16-byte run: the slots
+                    # of the last page past the context hold finite e4m3 (zeros or an earlier token's
+                    # values) and meet probabilities of 0
+                    v8t = tl.load(v_ptrs, mask=page_mask[None, :], other=0.0)  # [D, BLOCK_N]
                 else:
-                    page_mask = (tok // PAGE_SIZE) * PAGE_SIZE < ctx  # the token's page is the sequence's
-                    page = tl.load(bt_row + tok // PAGE_SIZE, mask=page_mask, other=0).to(tl.int64)
-                    pslot = tok % PAGE_SIZE
-                    k8 = tl.load(k_head + page[:, None] * stride_kb + pslot[:, None] * stride_kt + offs_d[None, :],
-                                 mask=tok_mask[:, None], other=0.0)
-                    if V_TOKEN_MINOR:
-                        v_ptrs = v_head + page[None, :] * stride_vb + pslot[None, :] + offs_d[:, None] * stride_vd
-                        if PAGE_SIZE % 16 == 0:
-                            # runs of 16 tokens share a page: 16 contiguous, 16-byte aligned bytes
-                            v_ptrs = tl.max_contiguous(tl.multiple_of(v_ptrs, [1, 16]), [1, 16])
-                        # masked by whole pages, so the mask is constant over each 16-byte run: the slots
-                        # of the last page past the context hold finite e4m3 (zeros or an earlier token's
-                        # values) and meet probabilities of 0
-                        v8t = tl.load(v_ptrs, mask=page_mask[None, :], other=0.0)  # [D, BLOCK_N]
-                    else:
-                        v8t = tl.trans(tl.load(v_head + page[:, None] * stride_vb + pslot[:, None] * stride_vt
-                                               + offs_d[None, :], mask=tok_mask[:, None], other=0.0))
-                    s_off = page * stride_sb + pslot * stride_st
-                ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
-                vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
+                    v8t = tl.trans(tl.load(v_head + page[:, None] * stride_vb + pslot[:, None] * stride_vt
+                                           + offs_d[None, :], mask=tok_mask[:, None], other=0.0))
+                s_off = page * stride_sb + pslot * stride_st
+            ksc = tl.load(ks_head + s_off, mask=tok_mask, other=0.0)
+            vsc = tl.load(vs_head + s_off, mask=tok_mask, other=0.0)
 
-                if F16_OPS:
-                    s = _mma8(k8.to(tl.float16), q16_t, UPCAST_DOT)  # [BLOCK_N, SLOTS]
-                else:
-                    # the hi and lo products are independent MMAs, combined once both are in registers
-                    s = _mma8(k8, q_hi_t, UPCAST_DOT) + _mma8(k8, q_lo_t, UPCAST_DOT) * 0.0625  # [BLOCK_N, SLOTS]
-                s = s * ksc[:, None] * q_scale[None, :]
-                s = tl.where(tok_mask[:, None], s, float("-inf"))
-                if JOINT_MAX:
-                    # the scores' and the value scales' maxima over the tile in one reduction
-                    t_max, vs_cols = tl.reduce((s, tl.broadcast_to(vsc[:, None], [BLOCK_N, SLOTS])), 0, _max_pair)
-                    vs_max = tl.maximum(vs_cols, 1e-30)  # [SLOTS], every entry the tile's largest
-                else:
-                    t_max = tl.max(s, 0)
-                    vs_max = tl.maximum(tl.max(vsc, 0), 1e-30)
-                m_new = tl.maximum(m_i, t_max)
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, SLOTS], in [0, 1]
-                if LAZY_L:
-                    l_rows = l_rows * alpha[None, :] + p
-                else:
-                    l_i = l_i * alpha + tl.sum(p, 0)
-                if JOINT_MAX:
-                    pw = p * vsc[:, None] * (256.0 / vs_max)[None, :]
-                else:
-                    pw = p * (vsc * (256.0 / vs_max))[:, None]
-                if F16_OPS:
-                    pv = _mma8(v8t.to(tl.float16), pw.to(tl.float16), UPCAST_DOT)  # [D, SLOTS]
-                else:
-                    p_hi, p_lo = _split8(pw, UPCAST_DOT)
-                    pv = _mma8(v8t, p_hi, UPCAST_DOT) + _mma8(v8t, p_lo, UPCAST_DOT) * 0.0625  # [D, SLOTS]
-                acc = acc * alpha[None, :] + pv * (vs_max / 256.0)
-                m_i = m_new
+            if F16_OPS:
+                s = _mma8(k8.to(tl.float16), q16_t, UPCAST_DOT)  # [BLOCK_N, SLOTS]
+            else:
+                # the hi and lo products are independent MMAs, combined once both are in registers
+                s = _mma8(k8, q_hi_t, UPCAST_DOT) + _mma8(k8, q_lo_t, UPCAST_DOT) * 0.0625  # [BLOCK_N, SLOTS]
+            s = s * ksc[:, None] * q_scale[None, :]
+            s = tl.where(tok_mask[:, None], s, float("-inf"))
+            if JOINT_MAX:
+                # the scores' and the value scales' maxima over the tile in one reduction
+                t_max, vs_cols = tl.reduce((s, tl.broadcast_to(vsc[:, None], [BLOCK_N, SLOTS])), 0, _max_pair)
+                vs_max = tl.maximum(vs_cols, 1e-30)  # [SLOTS], every entry the tile's largest
+            else:
+                t_max = tl.max(s, 0)
+                vs_max = tl.maximum(tl.max(vsc, 0), 1e-30)
+            m_new = tl.maximum(m_i, t_max)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])  # [BLOCK_N, SLOTS], in [0, 1]
+            if LAZY_L:
+                l_rows = l_rows * alpha[None, :] + p
+            else:
+                l_i = l_i * alpha + tl.sum(p, 0)
+            if JOINT_MAX:
+                pw = p * vsc[:, None] * (256.0 / vs_max)[None, :]
+            else:
+                pw = p * (vsc * (256.0 / vs_max))[:, None]
+            if F16_OPS:
+                pv = _mma8(v8t.to(tl.float16), pw.to(tl.float16), UPCAST_DOT)  # [D, SLOTS]
+            else:
+                p_hi, p_lo = _split8(pw, UPCAST_DOT)
+                pv = _mma8(v8t, p_hi, UPCAST_DOT) + _mma8(v8t, p_lo, UPCAST_DOT) * 0.0625  # [D, SLOTS]
+            acc = acc * alpha[None, :] + pv * (vs_max / 256.0)
+            m_i = m_new
 
-        if LAZY_L or PAIR:
+        if LAZY_L:
             l_i = tl.sum(l_rows, 0)
 
         has = l_i > 0.0
