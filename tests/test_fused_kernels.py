@@ -129,7 +129,84 @@ EXTRA_CASES = [
     "qk_bf16_neg_slot_strided",
     "qk_fp32_neg_slot_strided_norm",
     "public_dispatch",
+    "qk_rows_bf16_norm_neg_slot",
+    "qk_rows_fp32_nonorm_strided",
+    "qk_rows_fp8_token_minor",
 ]
+
+
+def _qk_both_forms(fn):
+    """``fn()`` with the rows form of the qk-norm kernel (the default for >= 64 rows) and with
+    one token per program (SHOAL_QKNORM_ROWS=0), and the kernel names each launched."""
+    import os
+
+    names = []
+    orig = fz._kernel
+
+    def spy(name):
+        names.append(name)
+        return orig(name)
+
+    outs = []
+    fz._kernel = spy
+    try:
+        for rows in (None, "0"):
+            if rows is None:
+                os.environ.pop(fz.QK_NORM_ROWS_ENV, None)
+            else:
+                os.environ[fz.QK_NORM_ROWS_ENV] = rows
+            fz.qk_norm_rows_block.cache_clear()
+            outs.append(fn())
+    finally:
+        fz._kernel = orig
+        os.environ.pop(fz.QK_NORM_ROWS_ENV, None)
+        fz.qk_norm_rows_block.cache_clear()
+    return outs, names
+
+
+def _qk_rows_case(name, seed, g):
+    """The rows form (16 tokens x one head per program) against one token per program: the same
+    bits for q and both caches, padding rows skipped, a ragged last block."""
+    checks, flags = {}, {}
+    if name == "qk_rows_fp8_token_minor":
+        from shoal.kernels.paged_attention_fp8 import token_minor_like
+
+        H, H_kv, D, N, nb, bs = 4, 2, 64, 70, 8, 16
+        qkv = rand((N, (H + 2 * H_kv) * D), torch.bfloat16, g, 3.0)
+        pos = torch.randint(0, 60, (N,), generator=g)
+        tab = rope_table(64, D, 10000.0).to(torch.bfloat16)
+        qw = rand((D,), torch.bfloat16, g, 0.3) + 1
+        kw = rand((D,), torch.bfloat16, g, 0.3) + 1
+        slots = torch.randperm(nb * bs, generator=g)[:N]
+        slots[5] = -1
+
+        def run():
+            kc = torch.zeros(nb, bs, H_kv, D, dtype=torch.float8_e4m3fn)
+            vc = token_minor_like(kc.shape, "cpu")
+            ks, vs = torch.zeros(nb, bs, H_kv), torch.zeros(nb, bs, H_kv)
+            q = fz.qk_norm_rope_write_triton(qkv, pos, tab, qw, kw, 1e-6, kc, vc, slots, H, H_kv, D,
+                                             k_scale=ks, v_scale=vs)
+            return q, kc.view(torch.uint8).clone(), vc.contiguous().view(torch.uint8), ks, vs
+
+        outs, names = _qk_both_forms(run)
+        for label, a, b in zip(("q", "k", "v", "k_scale", "v_scale"), outs[0], outs[1]):
+            flags[f"{label}_same_bits"] = torch.equal(a, b)
+        flags["fp8_written"] = bool((outs[0][1] != 0).any())
+    else:
+        dt = torch.bfloat16 if "bf16" in name else torch.float32
+        norm = "_norm" in name
+        H, H_kv, D = 4, 2, 64
+        case = qk_case(70, H, H_kv, D, dt, norm, seed=seed, num_blocks=12, neg_slot="neg_slot" in name,
+                       strided="strided" in name, base=1e4)
+        outs, names = _qk_both_forms(lambda: run_qk(fz.qk_norm_rope_write_triton, case, H, H_kv, D))
+        flags["q_same_bits"] = torch.equal(outs[0][0], outs[1][0])
+        flags["caches_same_bits"] = torch.equal(outs[0][1].nan_to_num(7.0), outs[1][1].nan_to_num(7.0))
+        qr, datar = run_qk(fz.qk_norm_rope_write_ref, case, H, H_kv, D) if "neg_slot" not in name else (None, None)
+        if qr is not None:
+            checks.update({f"q_{k}": v for k, v in compare(outs[0][0], qr, not norm).items()})
+    flags["rows_form_ran"] = names[:1] == ["_qk_norm_rope_write_rows_kernel"]
+    flags["token_form_ran"] = names[1:] == ["_qk_norm_rope_write_kernel"]
+    return {"checks": checks, "flags": flags}
 
 
 def _interp_case(name):
@@ -251,6 +328,8 @@ def _interp_case(name):
                                           datar[0, 1].clone(), torch.zeros(1, dtype=torch.long), H, H_kv, D)
         checks.update({f"q_pad_{k}": v for k, v in compare(q[~keep], q_pad, not norm).items()})
         _check_caches(case, data, datar, not norm, checks, flags, slots=slots[keep])
+    elif name.startswith("qk_rows_"):
+        return _qk_rows_case(name, seed, g)
     elif name == "public_dispatch":
         flags["interpreting"] = fz.triton_interpreting() and fz.use_triton(torch.zeros(1))
         x = rand((2, 128), torch.bfloat16, g)
@@ -540,6 +619,44 @@ def test_gpu_qk_norm_rope_write(N, dtype, norm):
     _check_caches(case, data, datar, not norm, checks, flags)
     _assert_checks(checks, "qk")
     assert all(flags.values()), flags
+
+
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("N", [64, 1000])
+def test_gpu_qk_norm_rope_write_rows_form_same_bits(N, fp8):
+    """At S2-Pro shapes the rows form (prefill) writes exactly what one token per program
+    writes: q, K / V (bf16 cache, or e4m3 token-minor values with their scales)."""
+    from shoal.kernels.paged_attention_fp8 import token_minor_like
+
+    g = torch.Generator().manual_seed(N)
+    nb, bs = 40, 64
+    qkv = rand((N, (S2_H + 2 * S2_KV) * S2_D), torch.bfloat16, g, 3.0, "cuda")
+    pos = torch.randint(0, 4096, (N,), generator=g).cuda()
+    tab = rope_table(4096, S2_D, 1e6).to(torch.bfloat16).cuda()
+    qw = rand((S2_D,), torch.bfloat16, g, 0.3, "cuda") + 1
+    kw = rand((S2_D,), torch.bfloat16, g, 0.3, "cuda") + 1
+    slots = torch.randperm(nb * bs, generator=g)[:N].cuda()
+    slots[N // 3] = -1
+
+    def run():
+        if fp8:
+            kc = torch.zeros(nb, bs, S2_KV, S2_D, dtype=torch.float8_e4m3fn, device="cuda")
+            vc = token_minor_like(kc.shape, "cuda")
+            ks, vs = torch.zeros(nb, bs, S2_KV, device="cuda"), torch.zeros(nb, bs, S2_KV, device="cuda")
+            q = fz.qk_norm_rope_write(qkv, pos, tab, qw, kw, 1e-6, kc, vc, slots, S2_H, S2_KV, S2_D,
+                                      k_scale=ks, v_scale=vs)
+            return q, kc.view(torch.uint8), vc.contiguous().view(torch.uint8), ks, vs
+        kc = torch.zeros(nb, bs, S2_KV, S2_D, dtype=torch.bfloat16, device="cuda")
+        vc = torch.zeros_like(kc)
+        q = fz.qk_norm_rope_write(qkv, pos, tab, qw, kw, 1e-6, kc.view(-1, S2_KV, S2_D), vc.view(-1, S2_KV, S2_D),
+                                  slots, S2_H, S2_KV, S2_D)
+        return q, kc, vc
+
+    outs, names = _qk_both_forms(run)
+    assert names == ["_qk_norm_rope_write_rows_kernel", "_qk_norm_rope_write_kernel"], names
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 @gpu

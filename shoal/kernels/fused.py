@@ -479,6 +479,96 @@ if HAS_TRITON:
                 v = vf.to(vc_ptr.dtype.element_ty)
             tl.store(vdst, v, mask=dmask)
 
+    def _qk_norm_rope_write_rows_kernel(
+        qkv_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, slot_ptr, q_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+        n_tokens, stride_qkv, stride_cs_p, stride_cs_i, stride_cs_c,
+        stride_q_t, stride_q_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_sc_s,
+        inv_d, eps,
+        N_HEAD: tl.constexpr,
+        N_KV: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        HALF: tl.constexpr,
+        QK_NORM: tl.constexpr,
+        MEAN_DIV: tl.constexpr,
+        DT: tl.constexpr,
+        KV_FP8: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        V_PAGE: tl.constexpr = 0,
+        stride_vc_b=0,
+        stride_vc_t=0,
+        stride_vc_d=0,
+        PDL: tl.constexpr = False,
+    ):
+        pdl_enter(PDL)
+        # _qk_norm_rope_write_kernel for BLOCK_T tokens x one head per program (prefill rows;
+        # bf16 / fp16 / fp32 qkv, no split-K partials): every row's arithmetic is the per-token
+        # kernel's, on [BLOCK_T, HALF] / [BLOCK_T, HEAD_DIM] tiles, so one program has BLOCK_T
+        # rows' loads in flight instead of one
+        j = tl.program_id(1)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < n_tokens
+        tc = tl.where(t_ok, t, 0)
+        i = tl.arange(0, HALF)
+        d = tl.arange(0, HEAD_DIM)
+        is_q = j < N_HEAD
+        pos = tl.load(pos_ptr + tc, mask=t_ok, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + tc, mask=t_ok, other=-1).to(tl.int64)
+        row = qkv_ptr + tc[:, None] * stride_qkv
+        vmask = t_ok[:, None] & ((d[None, :] * 0 + j) >= N_HEAD)
+        vraw = tl.load(row + (j + N_KV) * HEAD_DIM + d[None, :], mask=vmask, other=0.0)
+        cs = cs_ptr + pos[:, None] * stride_cs_p + i[None, :] * stride_cs_i
+        cos = tl.load(cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(cs + stride_cs_c, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        src = row + j * HEAD_DIM + 2 * i[None, :]
+        a = tl.load(src, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        b = tl.load(src + 1, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        if QK_NORM:
+            if j < N_HEAD:
+                wa = tl.load(qw_ptr + 2 * i).to(tl.float32)
+                wb = tl.load(qw_ptr + 2 * i + 1).to(tl.float32)
+            else:
+                wa = tl.load(kw_ptr + 2 * i).to(tl.float32)
+                wb = tl.load(kw_ptr + 2 * i + 1).to(tl.float32)
+            ss = tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)
+            if MEAN_DIV:
+                ms = ss / HEAD_DIM
+            else:
+                ms = ss * inv_d
+            rs = tl.math.rsqrt(ms + eps)[:, None]
+            a = _round(a * rs * wa[None, :], DT)
+            b = _round(b * rs * wb[None, :], DT)
+        oa = _round(a * cos - b * sin, DT)
+        ob = _round(b * cos + a * sin, DT)
+        if is_q:
+            qdst = q_ptr + tc[:, None] * stride_q_t + j * stride_q_h + 2 * i[None, :]
+            tl.store(qdst, oa.to(q_ptr.dtype.element_ty), mask=t_ok[:, None])
+            tl.store(qdst + 1, ob.to(q_ptr.dtype.element_ty), mask=t_ok[:, None])
+        else:
+            kvh = j - N_HEAD
+            live = t_ok & (slot >= 0)  # negative slot: padding row, nothing written
+            sl = tl.where(live, slot, 0)
+            kdst = kc_ptr + sl[:, None] * stride_kc_s + kvh * stride_kc_h + 2 * i[None, :]
+            if KV_FP8:
+                kqs, ksc = _e4m3_scale(tl.maximum(tl.max(tl.abs(oa), 1), tl.max(tl.abs(ob), 1)))
+                tl.store(kdst, _e4m3(oa, kqs[:, None]), mask=live[:, None])
+                tl.store(kdst + 1, _e4m3(ob, kqs[:, None]), mask=live[:, None])
+                tl.store(ks_ptr + sl * stride_sc_s + kvh, ksc, mask=live)
+            else:
+                tl.store(kdst, oa.to(kc_ptr.dtype.element_ty), mask=live[:, None])
+                tl.store(kdst + 1, ob.to(kc_ptr.dtype.element_ty), mask=live[:, None])
+            if V_PAGE > 0:
+                vdst = (vc_ptr + ((sl // V_PAGE) * stride_vc_b + (sl % V_PAGE) * stride_vc_t)[:, None]
+                        + kvh * stride_vc_h + d[None, :] * stride_vc_d)
+            else:
+                vdst = vc_ptr + sl[:, None] * stride_vc_s + kvh * stride_vc_h + d[None, :]
+            if KV_FP8:
+                vf = vraw.to(tl.float32)
+                vqs, vsc = _e4m3_scale(tl.max(tl.abs(vf), 1))
+                tl.store(vdst, _e4m3(vf, vqs[:, None]), mask=live[:, None])
+                tl.store(vs_ptr + sl * stride_sc_s + kvh, vsc, mask=live)
+            else:
+                tl.store(vdst, vraw, mask=live[:, None])
+
     def _silu_mul_kernel(
         gu_ptr, out_ptr, stride_gu, stride_o, n_inter,
         BLOCK: tl.constexpr,
@@ -846,6 +936,25 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 # --------------------------------------------------------------------------------------
 
 
+QK_NORM_ROWS_ENV = "SHOAL_QKNORM_ROWS"
+"""Environment variable: tokens per program of the qk-norm + RoPE + KV-write kernel on calls of
+at least :data:`QK_NORM_ROWS_MIN` rows (prefill chunks); 0 keeps one token per program."""
+QK_NORM_ROWS_MIN = 64
+QK_NORM_ROWS_DEFAULT = 16
+
+
+@functools.cache
+def qk_norm_rows_block() -> int:
+    """Tokens per program of the rows form of the qk-norm + RoPE + KV-write kernel (a power of
+    two; ``SHOAL_QKNORM_ROWS``, 0 turns the rows form off)."""
+    from ..envutil import env_int
+
+    n = env_int(QK_NORM_ROWS_ENV, QK_NORM_ROWS_DEFAULT)
+    if n < 0 or n & (n - 1):
+        raise ValueError(f"{QK_NORM_ROWS_ENV} must be 0 or a power of two, got {n}")
+    return n
+
+
 def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
                               n_head, n_kv_head, head_dim, *, q_out=None, k_scale=None, v_scale=None):
     """Kernel version of :func:`qk_norm_rope_write_ref` (one launch). Negative slots are
@@ -909,6 +1018,24 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
         kw = k_norm_w.contiguous()
     else:
         qw = kw = qkv2
+    rows = qk_norm_rows_block()
+    if rows and not partial and N >= QK_NORM_ROWS_MIN:
+        _kernel("_qk_norm_rope_write_rows_kernel")[(triton.cdiv(N, rows), n_head + n_kv_head)](
+            qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc, ks if kv_fp8 else kc, vs if kv_fp8 else vc,
+            N, stride_row, cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
+            q_out.stride(0), q_out.stride(1), kc.stride(0), kc.stride(1), 0 if v_minor else vc.stride(0),
+            vc.stride(2) if v_minor else vc.stride(1),
+            n_kv_head if kv_fp8 else 0,
+            1.0 / D, float(eps),
+            N_HEAD=n_head, N_KV=n_kv_head, HEAD_DIM=D, HALF=D // 2, QK_NORM=q_norm_w is not None,
+            MEAN_DIV=not qkv2.is_cuda, DT=_DT_CODE[dtype], KV_FP8=kv_fp8, BLOCK_T=rows,
+            V_PAGE=v_cache.shape[1] if v_minor else 0,
+            stride_vc_b=vc.stride(0) if v_minor else 0,
+            stride_vc_t=vc.stride(1) if v_minor else 0,
+            stride_vc_d=vc.stride(3) if v_minor else 0,
+            **_launch_opts(4, qkv2),
+        )
+        return q_out
     _kernel("_qk_norm_rope_write_kernel")[(N, n_head + n_kv_head)](
         qkv2, pos, cos_sin, qw, kw, sl, q_out, kc, vc, ks if kv_fp8 else kc, vs if kv_fp8 else vc,
         stride_row, stride_split, cos_sin.stride(0), cos_sin.stride(1), cos_sin.stride(2),
