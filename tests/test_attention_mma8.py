@@ -1,4 +1,4 @@
-"""The e4m3-operand decode attention on an FP8 KV cache (shoal.kernels.paged_attention_fp8):
+"""The swap-AB decode attention on an FP8 KV cache (shoal.kernels.paged_attention_fp8):
 against the PyTorch reference and against the widening kernel's error, on the standard and the
 token-minor V layout, under the Triton interpreter on CPU; at S2-Pro sizes (with CUDA-graph
 replay) on a GPU."""
@@ -197,7 +197,8 @@ CASES = {
     "g4_minor_bs64_tma": lambda: _case_decode(8, 2, 1, True, bs=64, block_n=64),
     "g4_minor_bs32_tma_3splits": lambda: _case_decode(8, 2, 3, True, bs=32, block_n=32),
     # the kernel's variants: the e4m3 hi / lo operands (f16ops=0), fp16 operands with the
-    # per-tile reductions as before, the joint maxima and row-kept denominators alone
+    # per-tile reductions as before, the joint maxima and row-kept denominators alone or forced
+    # on at one split (the default turns them on only where the context is split)
     "e4m3_minor_bs64_tma": lambda: _case_decode(8, 2, 1, True, bs=64, block_n=64,
                                                 cfg="f16ops=0,joint_max=0,lazy_l=0"),
     "e4m3_std_3splits": lambda: _case_decode(8, 2, 3, False, cfg="f16ops=0,joint_max=0,lazy_l=0"),
@@ -205,6 +206,8 @@ CASES = {
                                                             cfg="f16ops=1,joint_max=0,lazy_l=0"),
     "jl_only_minor_bs64_tma": lambda: _case_decode(8, 2, 1, True, bs=64, block_n=64,
                                                    cfg="f16ops=0,joint_max=1,lazy_l=1"),
+    "f16jl_minor_bs64_tma_1split": lambda: _case_decode(8, 2, 1, True, bs=64, block_n=64,
+                                                        cfg="joint_max=1,lazy_l=1"),
 }
 
 if __name__ == "__main__":  # child process: TRITON_INTERPRET=1
@@ -374,3 +377,14 @@ def test_gpu_token_minor_writers_and_prefill(case):
     for k, (a, b) in res["checks"].items():
         assert a <= b, (k, a, b)
     assert all(res["flags"].values()), res["flags"]
+
+
+def test_fp8_options_auto_follow_the_split_count(monkeypatch):
+    """``joint_max`` / ``lazy_l`` of 2 (the default) turn on only where the context is split."""
+    from shoal.kernels.paged_attention import _auto, fp8_kv_config
+
+    monkeypatch.delenv("SHOAL_ATTN_FP8_CONFIG", raising=False)
+    cfg = fp8_kv_config()
+    assert cfg["f16ops"] == 1 and cfg["joint_max"] == 2 and cfg["lazy_l"] == 2
+    assert [_auto(2, n) for n in (1, 2, 8)] == [False, True, True]
+    assert [_auto(1, n) for n in (1, 4)] == [True, True] and [_auto(0, n) for n in (1, 4)] == [False, False]

@@ -29,10 +29,10 @@ from shoal.kernels.paged_attention_fp8 import token_minor_like
 from shoal.quant.kv import quantize_kv
 
 VARIANTS = {
-    "base": "",  # the default: fp16 operands, joint maxima, row-kept denominators
+    "base": "",  # the default: fp16 operands; joint maxima, row-kept denominators where split
     "e4m3": "f16ops=0,joint_max=0,lazy_l=0",  # the e4m3 hi / lo operands (the default before 2026-12-07)
     "f16": "joint_max=0,lazy_l=0",
-    "jl": "f16ops=0",
+    "f16jl": "joint_max=1,lazy_l=1",
     "s3": "num_stages=3",
     "slots16": "",
 }

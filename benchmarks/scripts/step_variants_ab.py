@@ -43,6 +43,8 @@ VARIANTS = {
     # FP8 KV cache: the attention's e4m3 hi / lo operands and per-tile reductions (the default
     # before 2026-12-07; benchmarks/scripts/attention_fp8_variants_probe.py)
     "kv_e4m3": {"SHOAL_ATTN_FP8_CONFIG": "f16ops=0,joint_max=0,lazy_l=0"},
+    # ... fp16 operands with the joint maxima and row-kept denominators at every batch
+    "kv_f16jl": {"SHOAL_ATTN_FP8_CONFIG": "joint_max=1,lazy_l=1"},
     # another bf16 GEMM table (a directory holding dense_tuned.json), e.g. a tuner's output
     "table": {"SHOAL_DENSE_TUNED": os.environ.get("AB_DENSE_TABLE", "")},
 }

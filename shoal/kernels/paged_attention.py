@@ -607,11 +607,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: 
 # ``f16ops``: the "mma8" kernel's products take fp16 operands (the e4m3 tiles widened, the query
 # and the weighted probabilities rounded once to fp16) instead of two e4m3 terms each;
 # ``joint_max``: the tile's score and value-scale maxima in one reduction; ``lazy_l``: the softmax
-# denominators kept per token row and summed once after the loop. All three on (H100, 2026-12-07,
-# fourteenth session): 1.02x at 64 x 700 tokens, 1.24x at 16 x 700, 1.12-1.25x at one sequence,
-# the decode step 0.3% / 0.6% faster at batch 1 / 64, and a smaller error (docs/benchmarks.md).
+# denominators kept per token row and summed once after the loop (each 0 off, 1 on, 2 on where
+# the context is split). Measured on an H100 (2026-12-07, fourteenth session, docs/benchmarks.md):
+# fp16 operands 1.02x at 64-128 x 700 tokens, 1.21x at 16 x 700, 1.06-1.10x at one sequence;
+# with the other two as well 1.12-1.25x at one sequence and 16 x 700, but 0.99x at 64 x 700 and
+# 1,024, where the context is not split; smaller error than the e4m3 terms.
 FP8_KV_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "cvt": "mma8", "split_mult": 1, "tma": 1,
-                 "f16ops": 1, "lazy_l": 1, "joint_max": 1}
+                 "f16ops": 1, "lazy_l": 2, "joint_max": 2}
+
+
+def _auto(value: int, num_splits: int) -> bool:
+    """An FP8-cache option of 0 (off), 1 (on) or 2 (on where the context is split, i.e. the
+    (sequence, KV head) programs alone would not fill the GPU)."""
+    return bool(value == 1 or (value == 2 and num_splits > 1))
 
 
 def fp8_kv_config() -> dict:
@@ -825,7 +833,8 @@ def paged_decode_attention_triton(
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
             *p_strides, GROUP=group, SLOTS=mma8_slots(group), HEAD_DIM=D, PAGE_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             V_TOKEN_MINOR=v_minor, UPCAST_DOT=bool(interpret), TMA=descs is not None, H_KV=H_kv,
-            F16_OPS=bool(fc["f16ops"]), LAZY_L=bool(fc["lazy_l"]), JOINT_MAX=bool(fc["joint_max"]),
+            F16_OPS=bool(fc["f16ops"]), LAZY_L=_auto(fc["lazy_l"], num_splits),
+            JOINT_MAX=_auto(fc["joint_max"], num_splits),
             num_warps=num_warps, num_stages=num_stages, **pdl)
     elif num_splits > 1 and (fused_reduce if fused_reduce is not None else attention_fused_reduce()):
         from .fp8 import _tile_counters  # the per-device arrival counters (reset by their last user)
