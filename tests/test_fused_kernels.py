@@ -149,6 +149,7 @@ def _qk_both_forms(fn):
 
     outs = []
     fz._kernel = spy
+    low, fz.QK_NORM_ROWS_MIN = fz.QK_NORM_ROWS_MIN, 64  # small cases: the rows form from 64 rows
     try:
         for rows in (None, "0"):
             if rows is None:
@@ -159,6 +160,7 @@ def _qk_both_forms(fn):
             outs.append(fn())
     finally:
         fz._kernel = orig
+        fz.QK_NORM_ROWS_MIN = low
         os.environ.pop(fz.QK_NORM_ROWS_ENV, None)
         fz.qk_norm_rows_block.cache_clear()
     return outs, names
@@ -205,6 +207,17 @@ def _qk_rows_case(name, seed, g):
         if qr is not None:
             checks.update({f"q_{k}": v for k, v in compare(outs[0][0], qr, not norm).items()})
     flags["rows_form_ran"] = names[:1] == ["_qk_norm_rope_write_rows_kernel"]
+    if name == "qk_rows_bf16_norm_neg_slot":  # decode-sized calls (below the threshold): one token per program
+        qkv, pos, table, qw, kw, d0, _, _, slots = case
+        seen = []
+        orig = fz._kernel
+        fz._kernel = lambda n: (seen.append(n), orig(n))[1]
+        try:
+            fz.qk_norm_rope_write_triton(qkv[:64], pos[:64], table, qw, kw, 1e-6, d0[1, 0].clone(), d0[1, 1].clone(),
+                                         slots[:64], H, H_kv, D)
+        finally:
+            fz._kernel = orig
+        flags["decode_sizes_per_token"] = seen == ["_qk_norm_rope_write_kernel"] and fz.QK_NORM_ROWS_MIN > 128
     flags["token_form_ran"] = names[1:] == ["_qk_norm_rope_write_kernel"]
     return {"checks": checks, "flags": flags}
 
@@ -624,7 +637,7 @@ def test_gpu_qk_norm_rope_write(N, dtype, norm):
 @gpu
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("N", [64, 1000])
-def test_gpu_qk_norm_rope_write_rows_form_same_bits(N, fp8):
+def test_gpu_qk_norm_rope_write_rows_form_same_bits(N, fp8):  # (64 rows: the helper lowers the threshold)
     """At S2-Pro shapes the rows form (prefill) writes exactly what one token per program
     writes: q, K / V (bf16 cache, or e4m3 token-minor values with their scales)."""
     from shoal.kernels.paged_attention_fp8 import token_minor_like

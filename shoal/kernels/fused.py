@@ -939,7 +939,7 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 QK_NORM_ROWS_ENV = "SHOAL_QKNORM_ROWS"
 """Environment variable: tokens per program of the qk-norm + RoPE + KV-write kernel on calls of
 at least :data:`QK_NORM_ROWS_MIN` rows (prefill chunks); 0 keeps one token per program."""
-QK_NORM_ROWS_MIN = 64
+QK_NORM_ROWS_MIN = 256  # above any decode batch (max_running_requests <= 128 by default): prefill only
 QK_NORM_ROWS_DEFAULT = 16
 
 
