@@ -136,8 +136,8 @@ EXTRA_CASES = [
 
 
 def _qk_both_forms(fn):
-    """``fn()`` with the rows form of the qk-norm kernel (the default for >= 64 rows) and with
-    one token per program (SHOAL_QKNORM_ROWS=0), and the kernel names each launched."""
+    """``fn()`` with the rows form of the qk-norm kernel (SHOAL_QKNORM_ROWS=16, from 64 rows here)
+    and with one token per program (=0, the default), and the kernel names each launched."""
     import os
 
     names = []
@@ -151,11 +151,8 @@ def _qk_both_forms(fn):
     fz._kernel = spy
     low, fz.QK_NORM_ROWS_MIN = fz.QK_NORM_ROWS_MIN, 64  # small cases: the rows form from 64 rows
     try:
-        for rows in (None, "0"):
-            if rows is None:
-                os.environ.pop(fz.QK_NORM_ROWS_ENV, None)
-            else:
-                os.environ[fz.QK_NORM_ROWS_ENV] = rows
+        for rows in ("16", "0"):
+            os.environ[fz.QK_NORM_ROWS_ENV] = rows
             fz.qk_norm_rows_block.cache_clear()
             outs.append(fn())
     finally:
@@ -209,14 +206,20 @@ def _qk_rows_case(name, seed, g):
     flags["rows_form_ran"] = names[:1] == ["_qk_norm_rope_write_rows_kernel"]
     if name == "qk_rows_bf16_norm_neg_slot":  # decode-sized calls (below the threshold): one token per program
         qkv, pos, table, qw, kw, d0, _, _, slots = case
+        import os
+
         seen = []
         orig = fz._kernel
         fz._kernel = lambda n: (seen.append(n), orig(n))[1]
+        os.environ[fz.QK_NORM_ROWS_ENV] = "16"  # the rows form on: still not below the threshold
+        fz.qk_norm_rows_block.cache_clear()
         try:
             fz.qk_norm_rope_write_triton(qkv[:64], pos[:64], table, qw, kw, 1e-6, d0[1, 0].clone(), d0[1, 1].clone(),
                                          slots[:64], H, H_kv, D)
         finally:
             fz._kernel = orig
+            os.environ.pop(fz.QK_NORM_ROWS_ENV)
+            fz.qk_norm_rows_block.cache_clear()
         flags["decode_sizes_per_token"] = seen == ["_qk_norm_rope_write_kernel"] and fz.QK_NORM_ROWS_MIN > 128
     flags["token_form_ran"] = names[1:] == ["_qk_norm_rope_write_kernel"]
     return {"checks": checks, "flags": flags}

@@ -938,15 +938,17 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 
 QK_NORM_ROWS_ENV = "SHOAL_QKNORM_ROWS"
 """Environment variable: tokens per program of the qk-norm + RoPE + KV-write kernel on calls of
-at least :data:`QK_NORM_ROWS_MIN` rows (prefill chunks); 0 keeps one token per program."""
+at least :data:`QK_NORM_ROWS_MIN` rows (prefill chunks), e.g. 16; 0 (the default) keeps one
+token per program. Opt-in until timed on a GPU: same bits (interpreter tests), compiled for
+sm_90a with Triton 3.6 (137 registers at bf16, no spills), speed not yet measured."""
 QK_NORM_ROWS_MIN = 256  # above any decode batch (max_running_requests <= 128 by default): prefill only
-QK_NORM_ROWS_DEFAULT = 16
+QK_NORM_ROWS_DEFAULT = 0
 
 
 @functools.cache
 def qk_norm_rows_block() -> int:
     """Tokens per program of the rows form of the qk-norm + RoPE + KV-write kernel (a power of
-    two; ``SHOAL_QKNORM_ROWS``, 0 turns the rows form off)."""
+    two; ``SHOAL_QKNORM_ROWS``; 0, the default, turns the rows form off)."""
     from ..envutil import env_int
 
     n = env_int(QK_NORM_ROWS_ENV, QK_NORM_ROWS_DEFAULT)
