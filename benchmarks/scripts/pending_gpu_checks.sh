@@ -23,17 +23,15 @@
 #   8. (mem) the codec decode path's resident memory at 64 slots in a fresh process, with the
 #      segments a second build opens listed by owner (benchmarks/scripts/codec_memory_probe.py;
 #      0.972 GiB on an H100 at 33be044).
-#   9. (fp8) the FP8 GPU tests, SHOAL_FP8_ATTN_QUANT's step A/B, and the FP8 engine at c=64 with
-#      the prefill GEMMs on Triton beside the default cuBLAS block-scaled path.
+#   9. (fp8) the qk-norm kernel's opt-in rows form (SHOAL_QKNORM_ROWS: its GPU bit test, its time
+#      at prefill sizes), and the FP8-cache attention's fp16-operand default in the step A/B and
+#      the engine at c=64 against the e4m3 operands.
 # PARTS picks steps (default all, in this order): tests ab engine lanes modes snr audio occ ncu mem fp8; e.g.
 # back-to-back calls on one warm machine (it goes back after 30 s idle). What is still waiting
-# (2026-12-07, thirteenth session: no H200 came; the twelfth session's A/Bs ran on an H100 and
-# were rejected, see docs/benchmarks.md): on an H200 PARTS="engine audio mem" (the #3 / #6
-# targets with the codec's current defaults and FP8 prefill through cuBLAS's block-scaled GEMM,
-# first audio at c=64, the codec's memory there); with FP8, also the same engine run with
-# SHOAL_FP8_CUBLAS_MIN_M=0 beside it (the Triton prefill GEMMs; +2.2% at c=64 on an H100). On
-# any GPU: PARTS=fp8 (the FP8 GPU tests, including the opt-in SHOAL_FP8_ATTN_QUANT's bit test,
-# and its step A/B).
+# (2026-12-07, fourteenth session: no H200 came; one H100 call ran the attention variants): on an
+# H200 PARTS="engine audio mem" (the #3 / #6 targets with the codec's current defaults, FP8
+# prefill through cuBLAS, the FP8-cache attention on fp16 operands; first audio at c=64; the
+# codec's memory there). On any GPU: PARTS=fp8 (above).
 # AB_ROUNDS (default 2) sets the A/B's rounds; ANY_GPU=1 runs the engine step on an H100 too.
 set -u
 PARTS=" ${PARTS:-tests ab engine lanes modes snr audio occ ncu mem fp8} "
@@ -86,14 +84,20 @@ elif part ncu; then
 fi
 part mem && timeout 120 python benchmarks/scripts/codec_memory_probe.py default 64 --segments 2>&1 | grep -v Warn | tail -14
 echo "[t=$SECONDS]"
-if part fp8; then  # the FP8 GPU tests (cuBLAS prefill, SHOAL_FP8_ATTN_QUANT's bits), its step A/B,
-    # and the engine at c=64 with the prefill GEMMs on Triton (SHOAL_FP8_CUBLAS_MIN_M=0) beside
-    # the default (cuBLAS), as recorded on 2026-12-07
-    timeout 150 python -m pytest -q tests/test_fp8_cublas.py tests/test_fp8_fusion.py -k gpu 2>&1 | tail -3
-    OUT=$OUT/r timeout 200 python benchmarks/scripts/step_variants_ab.py fp8 3 base fp8_attn_quant 2>&1 | grep -v Warn | tail -6
+if part fp8; then  # the fourteenth session's untimed work: the qk-norm kernel's rows form (GPU
+    # bit test, its time at prefill sizes against one token per program), the FP8-cache attention's
+    # new default (fp16 operands; joint max / row sums where split) in the step and the engine
+    timeout 120 python -m pytest -q tests/test_fused_kernels.py tests/test_attention_mma8.py -k "gpu and (qk or mma8)" 2>&1 | tail -2
+    for r in 0 16 8 32; do
+        echo "== SHOAL_QKNORM_ROWS=$r"
+        mkdir -p /tmp/r/pe$r
+        SHOAL_QKNORM_ROWS=$r OUT=/tmp/r/pe$r timeout 60 python benchmarks/scripts/prefill_elementwise_probe.py 256,1024,2048 \
+            2>&1 | grep -i "qk" | tail -4
+    done
+    OUT=$OUT/r timeout 200 python benchmarks/scripts/step_variants_ab.py fp8 3 base kv_f16jl kv_e4m3 2>&1 | grep -v Warn | tail -8
     keep
-    for v in triton cublas; do
-        e=X=1; [[ $v == triton ]] && e=SHOAL_FP8_CUBLAS_MIN_M=0
+    for v in e4m3 new; do
+        e=X=1; [[ $v == e4m3 ]] && e=SHOAL_ATTN_FP8_CONFIG=f16ops=0,joint_max=0,lazy_l=0
         env $e timeout 120 python -m shoal.cli bench engine --concurrency 64 --frames 400 --requests-per-client 2 \
             --quantization fp8 --kv-cache-dtype fp8 --out "/tmp/r/eng-fp8-c64-$v" 2>&1 | grep -E "c=|Error|error" | tail -2
         keep
