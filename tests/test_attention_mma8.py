@@ -388,3 +388,12 @@ def test_fp8_options_auto_follow_the_split_count(monkeypatch):
     assert cfg["f16ops"] == 1 and cfg["joint_max"] == 2 and cfg["lazy_l"] == 2
     assert [_auto(2, n) for n in (1, 2, 8)] == [False, True, True]
     assert [_auto(1, n) for n in (1, 4)] == [True, True] and [_auto(0, n) for n in (1, 4)] == [False, False]
+
+
+@pytest.mark.parametrize("bad", ["f16ops=2", "joint_max=3", "lazy_l=-1"])
+def test_fp8_options_out_of_range_are_refused(monkeypatch, bad):
+    from shoal.kernels.paged_attention import fp8_kv_config
+
+    monkeypatch.setenv("SHOAL_ATTN_FP8_CONFIG", bad)
+    with pytest.raises(ValueError, match=bad.split("=")[0]):
+        fp8_kv_config()

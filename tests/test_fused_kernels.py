@@ -135,8 +135,17 @@ EXTRA_CASES = [
 ]
 
 
+def _restore_env(key, value):
+    import os
+
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
 def _qk_both_forms(fn):
-    """``fn()`` with the rows form of the qk-norm kernel (SHOAL_QKNORM_ROWS=16, from 64 rows here)
+    """``fn()`` with the rows form of the qk-norm kernel (SHOAL_QKNORM_ROWS=8, from 64 rows here)
     and with one token per program (=0, the default), and the kernel names each launched."""
     import os
 
@@ -150,21 +159,22 @@ def _qk_both_forms(fn):
     outs = []
     fz._kernel = spy
     low, fz.QK_NORM_ROWS_MIN = fz.QK_NORM_ROWS_MIN, 64  # small cases: the rows form from 64 rows
+    before = os.environ.get(fz.QK_NORM_ROWS_ENV)
     try:
-        for rows in ("16", "0"):
+        for rows in ("8", "0"):
             os.environ[fz.QK_NORM_ROWS_ENV] = rows
             fz.qk_norm_rows_block.cache_clear()
             outs.append(fn())
     finally:
         fz._kernel = orig
         fz.QK_NORM_ROWS_MIN = low
-        os.environ.pop(fz.QK_NORM_ROWS_ENV, None)
+        _restore_env(fz.QK_NORM_ROWS_ENV, before)
         fz.qk_norm_rows_block.cache_clear()
     return outs, names
 
 
 def _qk_rows_case(name, seed, g):
-    """The rows form (16 tokens x one head per program) against one token per program: the same
+    """The rows form (8 tokens x one head per program) against one token per program: the same
     bits for q and both caches, padding rows skipped, a ragged last block."""
     checks, flags = {}, {}
     if name == "qk_rows_fp8_token_minor":
@@ -211,14 +221,15 @@ def _qk_rows_case(name, seed, g):
         seen = []
         orig = fz._kernel
         fz._kernel = lambda n: (seen.append(n), orig(n))[1]
-        os.environ[fz.QK_NORM_ROWS_ENV] = "16"  # the rows form on: still not below the threshold
+        before = os.environ.get(fz.QK_NORM_ROWS_ENV)
+        os.environ[fz.QK_NORM_ROWS_ENV] = "8"  # the rows form on: still not below the threshold
         fz.qk_norm_rows_block.cache_clear()
         try:
             fz.qk_norm_rope_write_triton(qkv[:64], pos[:64], table, qw, kw, 1e-6, d0[1, 0].clone(), d0[1, 1].clone(),
                                          slots[:64], H, H_kv, D)
         finally:
             fz._kernel = orig
-            os.environ.pop(fz.QK_NORM_ROWS_ENV)
+            _restore_env(fz.QK_NORM_ROWS_ENV, before)
             fz.qk_norm_rows_block.cache_clear()
         flags["decode_sizes_per_token"] = seen == ["_qk_norm_rope_write_kernel"] and fz.QK_NORM_ROWS_MIN > 128
     flags["token_form_ran"] = names[1:] == ["_qk_norm_rope_write_kernel"]

@@ -88,7 +88,7 @@ if part fp8; then  # the fourteenth session's untimed work: the qk-norm kernel's
     # bit test, its time at prefill sizes against one token per program), the FP8-cache attention's
     # new default (fp16 operands; joint max / row sums where split) in the step and the engine
     timeout 120 python -m pytest -q tests/test_fused_kernels.py tests/test_attention_mma8.py -k "gpu and (qk or mma8)" 2>&1 | tail -2
-    for r in 0 16 8 32; do
+    for r in 0 8 4 16; do
         echo "== SHOAL_QKNORM_ROWS=$r"
         mkdir -p /tmp/r/pe$r
         SHOAL_QKNORM_ROWS=$r OUT=/tmp/r/pe$r timeout 60 python benchmarks/scripts/prefill_elementwise_probe.py 256,1024,2048 \

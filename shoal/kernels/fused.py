@@ -500,7 +500,7 @@ if HAS_TRITON:
         PDL: tl.constexpr = False,
     ):
         pdl_enter(PDL)
-        # _qk_norm_rope_write_kernel for BLOCK_T tokens x one head per program (prefill rows;
+        # _qk_norm_rope_write_kernel for BLOCK_T tokens x one head per program, one warp (prefill rows;
         # bf16 / fp16 / fp32 qkv, no split-K partials): every row's arithmetic is the per-token
         # kernel's, on [BLOCK_T, HALF] / [BLOCK_T, HEAD_DIM] tiles, so one program has BLOCK_T
         # rows' loads in flight instead of one
@@ -938,9 +938,11 @@ def add_rmsnorm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, 
 
 QK_NORM_ROWS_ENV = "SHOAL_QKNORM_ROWS"
 """Environment variable: tokens per program of the qk-norm + RoPE + KV-write kernel on calls of
-at least :data:`QK_NORM_ROWS_MIN` rows (prefill chunks), e.g. 16; 0 (the default) keeps one
-token per program. Opt-in until timed on a GPU: same bits (interpreter tests), compiled for
-sm_90a with Triton 3.6 (137 registers at bf16, no spills), speed not yet measured."""
+at least :data:`QK_NORM_ROWS_MIN` rows (prefill chunks), e.g. 8; 0 (the default) keeps one
+token per program. Opt-in until timed on a GPU: same bits (interpreter tests; one warp a
+program, so a row's norm sums in the per-token kernel's order), compiled for sm_90a with
+Triton 3.6 (8 rows: 167 registers at bf16, 154 with an FP8 cache, no spills; 16 rows spill),
+speed not yet measured."""
 QK_NORM_ROWS_MIN = 256  # above any decode batch (max_running_requests <= 128 by default): prefill only
 QK_NORM_ROWS_DEFAULT = 0
 
@@ -1035,7 +1037,10 @@ def qk_norm_rope_write_triton(qkv, positions, cos_sin, q_norm_w, k_norm_w, eps, 
             stride_vc_b=vc.stride(0) if v_minor else 0,
             stride_vc_t=vc.stride(1) if v_minor else 0,
             stride_vc_d=vc.stride(3) if v_minor else 0,
-            **_launch_opts(4, qkv2),
+            # one warp: each row's 64 pairs then sit on the 32 lanes as in the per-token kernel
+            # (lane k holds k and k + 32), so the norm's fp32 sum runs in the same order; with
+            # more warps a row splits across two of them and the sum's last bit can differ
+            **_launch_opts(1, qkv2),
         )
         return q_out
     _kernel("_qk_norm_rope_write_kernel")[(N, n_head + n_kv_head)](

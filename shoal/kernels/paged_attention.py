@@ -638,6 +638,9 @@ def _fp8_kv_config(env: str) -> tuple:
         if key not in cfg:
             raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: unknown key {key!r} (keys: {', '.join(cfg)})")
         cfg[key] = value.strip() if key == "cvt" else int(value)
+        if key in ("f16ops", "joint_max", "lazy_l") and cfg[key] not in ((0, 1) if key == "f16ops" else (0, 1, 2)):
+            raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: {key} must be 0 or 1" + ("" if key == "f16ops" else " or 2 (where split)")
+                             + f", got {value!r}")
     return tuple(cfg.items())
 
 
