@@ -132,6 +132,8 @@ EXTRA_CASES = [
     "qk_rows_bf16_norm_neg_slot",
     "qk_rows_fp32_nonorm_strided",
     "qk_rows_fp8_token_minor",
+    "qk_rows_fp8_standard_d128",
+    "qk_rows_fp16_d128_norm",
 ]
 
 
@@ -177,10 +179,11 @@ def _qk_rows_case(name, seed, g):
     """The rows form (8 tokens x one head per program) against one token per program: the same
     bits for q and both caches, padding rows skipped, a ragged last block."""
     checks, flags = {}, {}
-    if name == "qk_rows_fp8_token_minor":
+    if name.startswith("qk_rows_fp8"):
         from shoal.kernels.paged_attention_fp8 import token_minor_like
 
-        H, H_kv, D, N, nb, bs = 4, 2, 64, 70, 8, 16
+        minor = name == "qk_rows_fp8_token_minor"
+        H, H_kv, D, N, nb, bs = 4, 2, (64 if minor else 128), 70, 8, 16
         qkv = rand((N, (H + 2 * H_kv) * D), torch.bfloat16, g, 3.0)
         pos = torch.randint(0, 60, (N,), generator=g)
         tab = rope_table(64, D, 10000.0).to(torch.bfloat16)
@@ -191,7 +194,7 @@ def _qk_rows_case(name, seed, g):
 
         def run():
             kc = torch.zeros(nb, bs, H_kv, D, dtype=torch.float8_e4m3fn)
-            vc = token_minor_like(kc.shape, "cpu")
+            vc = token_minor_like(kc.shape, "cpu") if minor else torch.zeros_like(kc)
             ks, vs = torch.zeros(nb, bs, H_kv), torch.zeros(nb, bs, H_kv)
             q = fz.qk_norm_rope_write_triton(qkv, pos, tab, qw, kw, 1e-6, kc, vc, slots, H, H_kv, D,
                                              k_scale=ks, v_scale=vs)
@@ -202,9 +205,9 @@ def _qk_rows_case(name, seed, g):
             flags[f"{label}_same_bits"] = torch.equal(a, b)
         flags["fp8_written"] = bool((outs[0][1] != 0).any())
     else:
-        dt = torch.bfloat16 if "bf16" in name else torch.float32
+        dt = torch.bfloat16 if "bf16" in name else torch.float16 if "fp16" in name else torch.float32
         norm = "_norm" in name
-        H, H_kv, D = 4, 2, 64
+        H, H_kv, D = 4, 2, (128 if "d128" in name else 64)
         case = qk_case(70, H, H_kv, D, dt, norm, seed=seed, num_blocks=12, neg_slot="neg_slot" in name,
                        strided="strided" in name, base=1e4)
         outs, names = _qk_both_forms(lambda: run_qk(fz.qk_norm_rope_write_triton, case, H, H_kv, D))
