@@ -514,8 +514,8 @@ if HAS_TRITON:
         pos = tl.load(pos_ptr + tc, mask=t_ok, other=0).to(tl.int64)
         slot = tl.load(slot_ptr + tc, mask=t_ok, other=-1).to(tl.int64)
         row = qkv_ptr + tc[:, None] * stride_qkv
-        vmask = t_ok[:, None] & ((d[None, :] * 0 + j) >= N_HEAD)
-        vraw = tl.load(row + (j + N_KV) * HEAD_DIM + d[None, :], mask=vmask, other=0.0)
+        # the V row up front (KV-head programs), so its round trip overlaps the q / k ones
+        vraw = tl.load(row + (j + N_KV) * HEAD_DIM + d[None, :], mask=t_ok[:, None] & (j >= N_HEAD), other=0.0)
         cs = cs_ptr + pos[:, None] * stride_cs_p + i[None, :] * stride_cs_i
         cos = tl.load(cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
         sin = tl.load(cs + stride_cs_c, mask=t_ok[:, None], other=0.0).to(tl.float32)
@@ -523,7 +523,7 @@ if HAS_TRITON:
         a = tl.load(src, mask=t_ok[:, None], other=0.0).to(tl.float32)
         b = tl.load(src + 1, mask=t_ok[:, None], other=0.0).to(tl.float32)
         if QK_NORM:
-            if j < N_HEAD:
+            if is_q:
                 wa = tl.load(qw_ptr + 2 * i).to(tl.float32)
                 wb = tl.load(qw_ptr + 2 * i + 1).to(tl.float32)
             else:

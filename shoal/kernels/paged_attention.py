@@ -638,10 +638,12 @@ def _fp8_kv_config(env: str) -> tuple:
         if key not in cfg:
             raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: unknown key {key!r} (keys: {', '.join(cfg)})")
         cfg[key] = value.strip() if key == "cvt" else int(value)
-        if key in ("f16ops", "joint_max", "lazy_l") and cfg[key] not in ((0, 1) if key == "f16ops" else (0, 1, 2)):
-            raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: {key} must be 0 or 1" + ("" if key == "f16ops" else " or 2 (where split)")
-                             + f", got {value!r}")
+        if cfg[key] not in _FP8_CHOICES.get(key, (cfg[key],)):
+            raise ValueError(f"SHOAL_ATTN_FP8_CONFIG: {key} must be one of {_FP8_CHOICES[key]}, got {value!r}")
     return tuple(cfg.items())
+
+
+_FP8_CHOICES = {"f16ops": (0, 1), "joint_max": (0, 1, 2), "lazy_l": (0, 1, 2)}  # 2: where split
 
 
 TMA_ENV = "SHOAL_ATTN_TMA"

@@ -137,22 +137,23 @@ if HAS_TRITON:
         return hi, lo
 
     def _mma8_impl(a, b, UPCAST_DOT: tl.constexpr):
-        """``a @ b`` of e4m3 operands, fp32 accumulation; interpreted runs widen to fp32 (exact)."""
+        """``a @ b`` of e4m3 or fp16 operands, fp32 accumulation; interpreted runs widen to fp32 (exact)."""
         if UPCAST_DOT:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         return tl.dot(a, b)
+
+    def _max_pair_impl(a0, b0, a1, b1):
+        """Combine of a two-tensor max reduction (``tl.reduce`` over a tuple)."""
+        return tl.maximum(a0, a1), tl.maximum(b0, b1)
 
     if triton_interpreting():
         from triton.runtime.interpreter import InterpretedFunction as _Wrap
     else:
         from triton.runtime.jit import JITFunction as _Wrap
-    def _max_pair_impl(a0, b0, a1, b1):
-        return tl.maximum(a0, a1), tl.maximum(b0, b1)
 
     _split8 = _Wrap(_split8_impl)
     _mma8 = _Wrap(_mma8_impl)
     _max_pair = _Wrap(_max_pair_impl)
-
 
     def _split_kernel_mma8(
         q_ptr,
